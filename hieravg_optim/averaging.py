@@ -1,0 +1,239 @@
+"""How to average: an in-place, bucketed all-reduce of a list of tensors.
+
+This replaces ``torch.distributed.algorithms.model_averaging.utils.average_parameters``,
+which concatenates every parameter into one new flat buffer (extra memory: the
+whole model) and then *rebinds* ``p.data`` to slices of it. Rebinding breaks every
+tensor that is a view into a flat buffer (FSDP flat parameters, DeepSpeed ZeRO
+partitions): the buffer keeps the old values and the average is silently lost.
+
+Here every result is written into each tensor's own storage with ``copy_``;
+dtype, shape, strides and storage are kept, and views stay views.
+
+Memory: one reusable bucket per (device, accumulation dtype), of at most
+``bucket_cap_mb`` MB, plus, for a non-contiguous tensor, one temporary contiguous
+copy of that tensor. Contiguous tensors of the accumulation dtype at least as large
+as a bucket are all-reduced in place, with no copy.
+
+Accumulation dtype: float16 and bfloat16 tensors are summed in float32 buckets
+(twice the traffic of those tensors, but no overflow and no loss of the low bits
+when summing up to thousands of replicas); the mean is rounded once, back to the
+tensor's dtype. float32 and float64 are summed in their own dtype. The sum is
+divided by the group size after the all-reduce, so means of small integers are exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BucketPool", "accumulation_dtype", "average_tensors_", "check_agreement", "tensor_signature"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which tensors of ``dtype`` are summed: float32 for float16 and bfloat16, else ``dtype``."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+class BucketPool:
+    """Reusable communication buckets, one per (device, accumulation dtype).
+
+    A bucket is allocated on first use with ``min(cap, elements needed)`` elements
+    and grows, never beyond the cap, when a later round needs more.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        key = (device, dtype)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            self._buffers.pop(key, None)
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buf
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all buckets."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def clear(self) -> None:
+        """Free every bucket."""
+        self._buffers.clear()
+
+
+@dataclass(slots=True)
+class _Pending:
+    target: torch.Tensor  # 1-D view into the tensor's own storage
+    offset: int
+
+
+def _flush(bucket: torch.Tensor, used: int, pending: list[_Pending], group: dist.ProcessGroup, size: int) -> None:
+    view = bucket[:used]
+    dist.all_reduce(view, op=dist.ReduceOp.SUM, group=group)
+    view.div_(size)
+    for p in pending:
+        p.target.copy_(view[p.offset : p.offset + p.target.numel()])
+    pending.clear()
+
+
+def average_tensors_(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    group_size: int,
+    *,
+    bucket_cap_bytes: int,
+    pool: BucketPool,
+) -> int:
+    """Replace every tensor by its mean over ``group``, in place.
+
+    .. warning::
+        Collective: every rank of ``group`` must call this with tensors of the same
+        number, shapes and dtypes, in the same order (see :func:`check_agreement`).
+
+    Args:
+        tensors: Floating-point (or complex) plain tensors, of any shape and strides; views are fine.
+            Empty tensors are skipped.
+        group: The process group to average over.
+        group_size: ``group``'s size.
+        bucket_cap_bytes: Upper bound of one bucket, in bytes.
+        pool: Where the reusable buckets live.
+
+    Returns:
+        The payload this rank all-reduced, in bytes (accumulation dtype).
+
+    Raises:
+        TypeError: for a tensor that is not floating point or complex.
+    """
+    by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        if not (t.is_floating_point() or t.is_complex()):
+            raise TypeError(f"Only floating-point tensors can be averaged, got dtype {t.dtype} of shape {tuple(t.shape)}.")
+        if t.numel() == 0:
+            continue
+        by_key.setdefault((t.device, accumulation_dtype(t.dtype)), []).append(t)
+
+    payload = 0
+    for (device, acc), group_tensors in by_key.items():
+        itemsize = torch.empty((), dtype=acc).element_size()
+        cap = max(1, bucket_cap_bytes // itemsize)
+        packed: list[torch.Tensor] = []
+        for t in group_tensors:
+            payload += t.numel() * itemsize
+            if not t.is_contiguous():
+                # One temporary contiguous copy of this tensor, reduced on its own.
+                tmp = t.to(dtype=acc, memory_format=torch.contiguous_format, copy=True)
+                dist.all_reduce(tmp, op=dist.ReduceOp.SUM, group=group)
+                tmp.div_(group_size)
+                t.copy_(tmp)
+                del tmp
+            elif t.dtype == acc and t.numel() >= cap:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+                t.div_(group_size)
+            else:
+                packed.append(t.view(-1))
+        if not packed:
+            continue
+        total = sum(f.numel() for f in packed)
+        bucket = pool.get(device, acc, min(cap, total))
+        cap_here = bucket.numel()
+        used = 0
+        pending: list[_Pending] = []
+        for flat in packed:
+            start = 0
+            n = flat.numel()
+            while start < n:
+                take = min(n - start, cap_here - used)
+                piece = flat[start : start + take]
+                bucket[used : used + take].copy_(piece)
+                pending.append(_Pending(piece, used))
+                used += take
+                start += take
+                if used == cap_here:
+                    _flush(bucket, used, pending, group, group_size)
+                    used = 0
+        if used:
+            _flush(bucket, used, pending, group, group_size)
+    return payload
+
+
+def tensor_signature(tensors: Sequence[torch.Tensor]) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of each tensor, in order: what the ranks of a group must agree on."""
+    return [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
+
+
+def _collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where small control tensors for ``group`` live: CPU for gloo, else the current CUDA device."""
+    if "gloo" not in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _digest(obj: object) -> int:
+    raw = hashlib.blake2b(repr(obj).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") & ((1 << 62) - 1)
+
+
+def _describe_difference(a: list, b: list) -> str:
+    if a[0] != b[0]:
+        return f"{a[0]!r} vs {b[0]!r}"
+    sig_a, sig_b = a[1], b[1]
+    for i, (x, y) in enumerate(zip(sig_a, sig_b)):
+        if x != y:
+            return f"tensor {i}: shape {x[0]} dtype {x[1]} vs shape {y[0]} dtype {y[1]}"
+    return f"{len(sig_a)} tensors vs {len(sig_b)} tensors"
+
+
+def check_agreement(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    group_ranks: Sequence[int],
+    *,
+    context: tuple,
+    what: str,
+) -> None:
+    """Check that every rank of ``group`` is about to average the same tensors.
+
+    Costs one all-reduce of two int64 values. On a mismatch it gathers the
+    signatures and raises on every rank of the group, so no rank hangs in a
+    collective of a different size.
+
+    .. warning::
+        Collective: every rank of ``group`` must call this.
+
+    Args:
+        tensors: The tensors this rank is about to average.
+        group: The averaging process group.
+        group_ranks: Global ranks of ``group``, in group-rank order.
+        context: Anything else the ranks must agree on (step count, bucket size).
+        what: Names the averaging round in the error message.
+
+    Raises:
+        RuntimeError: naming two ranks that disagree and their first difference.
+    """
+    local = [context, tensor_signature(tensors)]
+    digest = _digest(local)
+    device = tensors[0].device if tensors else _collective_device(group)
+    probe = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    if int(probe[0]) == -int(probe[1]):
+        return
+    gathered: list = [None] * len(group_ranks)
+    dist.all_gather_object(gathered, local, group=group)
+    first = gathered[0]
+    for index, other in enumerate(gathered[1:], start=1):
+        if other != first:
+            raise RuntimeError(
+                f"Ranks {group_ranks[0]} and {group_ranks[index]} disagree on {what}: "
+                f"{_describe_difference(first, other)}. Every rank of an averaging group must average the same "
+                "parameters (number, shapes, dtypes) at the same step count: build the model and the optimizer's "
+                "parameter groups identically on every rank, and resume every rank from the same checkpoint."
+            )
+    raise AssertionError("digests differ but the gathered signatures are equal")

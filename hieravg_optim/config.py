@@ -1,0 +1,224 @@
+"""One validated configuration object for hierarchical averaging.
+
+The core works on a tuple of :class:`~hieravg_optim.schedule.AveragingLevel`.
+At the API edge it also accepts torch's seed-style mapping ``{period: group_size}``
+(the ``period_group_size_dict`` of ``HierarchicalModelAverager``); JSON objects,
+whose keys are strings, are accepted too, so ``{"4": 8, "32": 16}`` works.
+
+Every check here is local: it raises on every rank, before any collective.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .schedule import AveragingLevel
+
+__all__ = ["AveragingConfig", "parse_levels"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _as_int(value: object, what: str) -> int:
+    """``value`` as an int if it is an integer or a JSON key spelling one, else ``ValueError``."""
+    if _is_int(value):
+        return int(value)  # type: ignore[arg-type]
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    raise ValueError(f"{what} must be a positive integer, got {value!r} ({type(value).__name__}).")
+
+
+def parse_levels(
+    period_group_size: Mapping[int | str, int] | Iterable[AveragingLevel | tuple[int, int]],
+) -> tuple[AveragingLevel, ...]:
+    """Turn ``{period: group_size}`` (or a sequence of levels or pairs) into levels.
+
+    The order is the order given; :class:`AveragingConfig` checks that the periods
+    strictly increase. Keys may be ints or, as in JSON, strings of digits.
+
+    Raises:
+        ValueError: if it is empty, or a period or group size is not an integer.
+        TypeError: if ``period_group_size`` is neither a mapping nor an iterable of pairs.
+    """
+    if isinstance(period_group_size, Mapping):
+        pairs = list(period_group_size.items())
+    elif isinstance(period_group_size, Iterable) and not isinstance(period_group_size, (str, bytes)):
+        pairs = []
+        for item in period_group_size:
+            if isinstance(item, AveragingLevel):
+                pairs.append((item.period, item.group_size))
+            elif isinstance(item, (tuple, list)) and len(item) == 2:
+                pairs.append((item[0], item[1]))
+            else:
+                raise TypeError(
+                    f"period_group_size items must be AveragingLevel or (period, group_size) pairs, got {item!r}."
+                )
+    else:
+        raise TypeError(
+            "period_group_size must be a mapping {period: group_size}, e.g. {4: 8, 32: 16}, "
+            f"got {type(period_group_size).__name__}."
+        )
+    if not pairs:
+        raise ValueError(
+            "period_group_size must not be empty: give at least one {period: group_size}, "
+            "the last group size being the size of the process group."
+        )
+    levels = []
+    for period, group_size in pairs:
+        period_int = _as_int(period, f"Period {period!r} in period_group_size")
+        if not _is_int(group_size):
+            raise ValueError(
+                f"Group size {group_size!r} of period {period!r} in period_group_size must be a positive integer "
+                f"(a number of ranks), got {type(group_size).__name__}."
+            )
+        levels.append(AveragingLevel(period=period_int, group_size=int(group_size)))
+    return tuple(levels)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AveragingConfig:
+    """The validated settings of :class:`~hieravg_optim.HierarchicalAveragingOptimizer`.
+
+    Build it with :meth:`create`, which accepts torch's ``{period: group_size}``
+    mapping. Fields are checked in ``__post_init__``; the checks that need the size
+    of the process group are in :meth:`check_world_size`.
+    """
+
+    levels: tuple[AveragingLevel, ...]
+    """The hierarchy, periods strictly increasing; the last level spans the whole process group."""
+
+    warmup_steps: int = 0
+    """Step counts below this never average (post-local SGD's warm-up), in optimizer steps."""
+
+    ranks_per_replica: int = 1
+    """Consecutive ranks that together hold one replica (1: every rank holds the full model).
+
+    Those ranks reduce gradients every step (DDP, ZeRO, FSDP) and may each hold a
+    different shard. A level of group size G averages among the G / ranks_per_replica
+    ranks of its block that hold the same shard index."""
+
+    bucket_cap_mb: float = 25.0
+    """Upper bound of one communication bucket, in MB (10**6 bytes), per accumulation dtype."""
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise ValueError("levels must not be empty.")
+        previous = 0
+        for level in self.levels:
+            if not _is_int(level.period) or level.period <= 0:
+                raise ValueError(
+                    f"Period {level.period!r} in period_group_size must be a positive integer (in optimizer steps)."
+                )
+            if level.period <= previous:
+                periods = [lv.period for lv in self.levels]
+                raise ValueError(
+                    f"Periods in period_group_size must be strictly increasing, got {periods}: "
+                    f"period {level.period} follows {previous}. List them from the most to the least frequent."
+                )
+            previous = level.period
+            if not _is_int(level.group_size) or level.group_size <= 0:
+                raise ValueError(
+                    f"Group size {level.group_size!r} of period {level.period} must be a positive integer (ranks)."
+                )
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a non-negative integer (steps), got {self.warmup_steps!r}.")
+        if not _is_int(self.ranks_per_replica) or self.ranks_per_replica <= 0:
+            raise ValueError(
+                f"ranks_per_replica must be a positive integer (ranks), got {self.ranks_per_replica!r}."
+            )
+        if (
+            isinstance(self.bucket_cap_mb, bool)
+            or not isinstance(self.bucket_cap_mb, numbers.Real)
+            or not self.bucket_cap_mb > 0
+        ):
+            raise ValueError(f"bucket_cap_mb must be a positive number of MB, got {self.bucket_cap_mb!r}.")
+
+    @classmethod
+    def create(
+        cls,
+        period_group_size: Mapping[int | str, int] | Iterable[AveragingLevel | tuple[int, int]],
+        *,
+        warmup_steps: int = 0,
+        ranks_per_replica: int = 1,
+        bucket_cap_mb: float = 25.0,
+    ) -> AveragingConfig:
+        """Build a config from torch's ``{period: group_size}`` mapping.
+
+        Raises:
+            ValueError: naming the offending value, for every invalid setting.
+        """
+        return cls(
+            levels=parse_levels(period_group_size),
+            warmup_steps=warmup_steps,
+            ranks_per_replica=ranks_per_replica,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        """:attr:`bucket_cap_mb` in bytes."""
+        return int(self.bucket_cap_mb * 1_000_000)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Check the levels against the size of the overall process group.
+
+        Raises:
+            ValueError: if a group size does not divide ``world_size``, is not a multiple of
+                :attr:`ranks_per_replica`, or the last group size is not ``world_size``.
+
+        Warns:
+            UserWarning: (stacklevel 3, the caller's caller) when the largest period is 1, as torch
+                does, or when a level's groups do not nest in the next level's groups.
+        """
+        s = self.ranks_per_replica
+        if world_size % s != 0:
+            raise ValueError(
+                f"ranks_per_replica={s} must divide the size of the process group ({world_size}): "
+                "every replica is a block of ranks_per_replica consecutive ranks."
+            )
+        for level in self.levels:
+            if world_size % level.group_size != 0:
+                raise ValueError(
+                    f"Group size {level.group_size} of period {level.period} must divide the size of the "
+                    f"process group ({world_size})."
+                )
+            if level.group_size % s != 0:
+                raise ValueError(
+                    f"Group size {level.group_size} of period {level.period} must be a multiple of "
+                    f"ranks_per_replica={s}: a level averages whole replicas."
+                )
+        last = self.levels[-1].group_size
+        if last != world_size:
+            raise ValueError(
+                f"The last group size in period_group_size ({last}, period {self.levels[-1].period}) must be "
+                f"equal to the size of the process group ({world_size}): the top level averages all replicas."
+            )
+        if self.levels[-1].period == 1:
+            warnings.warn(
+                "The largest period in period_group_size is 1: averaging parameters every step costs at least "
+                "as much as all-reducing gradients. Use plain DDP / ZeRO / FSDP instead.",
+                UserWarning,
+                stacklevel=3,
+            )
+        for lower, upper in zip(self.levels, self.levels[1:]):
+            if upper.group_size % lower.group_size != 0:
+                warnings.warn(
+                    f"Group size {lower.group_size} (period {lower.period}) does not divide group size "
+                    f"{upper.group_size} (period {upper.period}): the levels' groups do not nest, so this is "
+                    "not a hierarchy. It is legal, as in torch, but rarely intended.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+        for level in self.levels[:-1]:
+            if level.group_size == s:
+                warnings.warn(
+                    f"Level with period {level.period} has group size {level.group_size} == ranks_per_replica: "
+                    "its groups hold a single replica, so it never averages anything. Remove it.",
+                    UserWarning,
+                    stacklevel=3,
+                )

@@ -1,0 +1,111 @@
+"""Where to average: the averaging subgroups of each level, built once.
+
+Layout (the default, and so far the only one): ranks are numbered by their rank
+in the overall process group ``P`` of size ``W``.
+
+* A *replica* is a block of ``s = ranks_per_replica`` consecutive ranks:
+  ``[0, s)``, ``[s, 2s)``, ... Within a replica, rank ``i`` holds shard index ``i % s``.
+* A level of group size ``G`` splits ``P`` into blocks of ``G`` consecutive ranks.
+  Within a block, the ``G / s`` ranks that hold the same shard index form one
+  averaging subgroup: ``{b*G + k*s + j : k = 0 .. G/s - 1}``.
+
+Under ``torchrun`` and the ``deepspeed`` launcher, consecutive ranks share a node,
+so blocks of ``LOCAL_WORLD_SIZE`` ranks are node-aligned. With ``s = 1`` this is
+exactly the layout of ``torch.distributed.new_subgroups(group_size=G)``.
+
+Every rank of the default process group must build the groups (as for
+``torch.distributed.new_group``), creating the same groups in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .config import AveragingConfig
+from .schedule import AveragingLevel
+
+__all__ = ["LevelGroup", "averaging_subgroup_ranks", "build_level_groups"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LevelGroup:
+    """This rank's averaging subgroup at one level."""
+
+    level: AveragingLevel
+    ranks: tuple[int, ...]
+    """Global ranks of the subgroup, this rank included, in ascending order."""
+    group: dist.ProcessGroup | None
+    """The process group to all-reduce over; ``None`` when the subgroup is this rank alone."""
+
+    @property
+    def size(self) -> int:
+        """Number of ranks that average together (replicas, one shard each)."""
+        return len(self.ranks)
+
+
+def averaging_subgroup_ranks(world_size: int, group_size: int, ranks_per_replica: int) -> list[list[int]]:
+    """All averaging subgroups of one level, as lists of ranks in the overall group.
+
+    Pure: no collective. The order is the creation order every rank follows.
+    """
+    s = ranks_per_replica
+    subgroups = []
+    for block_start in range(0, world_size, group_size):
+        for shard in range(s):
+            subgroups.append(list(range(block_start + shard, block_start + group_size, s)))
+    return subgroups
+
+
+def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup | None = None) -> list[LevelGroup]:
+    """Create the averaging subgroups of every level, once.
+
+    .. warning::
+        Collective over the default process group: every rank of it must call this,
+        with the same ``config``, because :func:`torch.distributed.new_group` is.
+
+    Args:
+        config: A config already checked with :meth:`AveragingConfig.check_world_size`.
+        process_group: The overall group; ``None`` means the default (world) group.
+
+    Returns:
+        One :class:`LevelGroup` per level, in the order of ``config.levels``.
+    """
+    pg = process_group if process_group is not None else dist.group.WORLD
+    global_ranks = dist.get_process_group_ranks(pg)
+    world_size = len(global_ranks)
+    my_rank = dist.get_rank()
+    cache: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    result = []
+    for level in config.levels:
+        mine: tuple[int, ...] | None = None
+        for local in averaging_subgroup_ranks(world_size, level.group_size, config.ranks_per_replica):
+            ranks = tuple(sorted(global_ranks[i] for i in local))
+            if ranks not in cache:
+                if len(ranks) == 1:
+                    cache[ranks] = None
+                elif len(ranks) == world_size:
+                    cache[ranks] = pg
+                else:
+                    cache[ranks] = dist.new_group(list(ranks))
+            if my_rank in ranks:
+                mine = ranks
+        assert mine is not None, f"rank {my_rank} is in no subgroup of level {level}"
+        result.append(LevelGroup(level=level, ranks=mine, group=cache[mine]))
+    if my_rank == global_ranks[0]:
+        for lg in result:
+            logger.info(
+                "hierarchical averaging: every %d steps, %d ranks per group average in subgroups of %d "
+                "(ranks_per_replica=%d); rank %d averages with ranks %s",
+                lg.level.period,
+                lg.level.group_size,
+                lg.size,
+                config.ranks_per_replica,
+                my_rank,
+                list(lg.ranks),
+            )
+    return result

@@ -1,0 +1,432 @@
+"""Where averaging plugs in: the stateful averager and the optimizer wrapper.
+
+:class:`HierarchicalAverager` holds the step count, the subgroups and the buckets,
+and averages a list of tensors when the schedule says so. It is the piece the
+DeepSpeed and FSDP adapters drive. :class:`HierarchicalAveragingOptimizer` wraps any
+``torch.optim.Optimizer`` with it, like torch's ``PostLocalSGDOptimizer`` wraps a
+``HierarchicalModelAverager``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .averaging import BucketPool, _collective_device, _digest, average_tensors_, check_agreement
+from .config import AveragingConfig
+from .groups import LevelGroup, build_level_groups
+from .schedule import AveragingLevel, level_at
+
+try:  # torch >= 2.5
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch 2.4
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+
+__all__ = ["HierarchicalAverager", "HierarchicalAveragingOptimizer", "LevelMetrics", "local_tensor"]
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = "hierarchical_averaging"
+"""Key under which :meth:`HierarchicalAveragingOptimizer.state_dict` stores the averaging state."""
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage this rank averages: the local shard of a DTensor, else ``t`` detached.
+
+    Both share storage with ``t``; nothing is copied and nothing is rebound.
+    """
+    if isinstance(t, DTensor):
+        return t.to_local().detach()
+    return t.detach()
+
+
+@dataclass(slots=True)
+class LevelMetrics:
+    """What one level of the hierarchy has done on this rank since construction."""
+
+    period: int
+    """The level's period, in steps."""
+    group_size: int
+    """The level's group size, in ranks."""
+    subgroup_size: int
+    """Ranks this rank averages with at this level (replicas holding the same shard)."""
+    rounds: int = 0
+    """Averaging rounds run."""
+    payload_bytes: int = 0
+    """Bytes this rank all-reduced (in the accumulation dtype), summed over rounds."""
+    bytes_sent: int = 0
+    """Bytes this rank sent, estimated as a ring all-reduce does: ``2 (n - 1) / n`` times the payload."""
+    seconds: float = 0.0
+    """Wall-clock seconds spent averaging, agreement check included."""
+
+
+class HierarchicalAverager:
+    """Hierarchical model averaging of a set of tensors, driven once per optimizer step.
+
+    The schedule and the checks are those of torch's
+    ``torch.distributed.algorithms.model_averaging.hierarchical_model_averager.HierarchicalModelAverager``
+    (hierarchical SGD, https://arxiv.org/abs/2010.12998); the averaging itself is
+    :func:`hieravg_optim.averaging.average_tensors_`, in place and bucketed.
+
+    .. warning::
+        The constructor is collective over the default process group: every rank
+        must call it with the same config, because it creates the subgroups with
+        :func:`torch.distributed.new_group`. :meth:`step` is collective over the
+        subgroup that averages at that step.
+
+    Args:
+        config: The validated settings.
+        process_group: The overall process group; ``None`` means the default group.
+
+    Raises:
+        ValueError: from :meth:`AveragingConfig.check_world_size`, on every rank, before any collective.
+        RuntimeError: if the ranks were given different configs.
+    """
+
+    def __init__(self, config: AveragingConfig, process_group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: call torch.distributed.init_process_group() "
+                "(or launch with torchrun / deepspeed) before creating the averager."
+            )
+        self.config = config
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        config.check_world_size(self.world_size)
+        self._check_same_across_ranks("the averaging config", asdict(config))
+        self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
+        self.step = 0
+        """The averaging step count: optimizer steps taken so far (``HierarchicalModelAverager.step``)."""
+        self.pool = BucketPool()
+        self._metrics = [
+            LevelMetrics(period=lg.level.period, group_size=lg.level.group_size, subgroup_size=lg.size)
+            for lg in self.level_groups
+        ]
+        self._verify_step_pending = False
+        self.log_metrics_every: int | None = None
+        """Log :meth:`metrics` through ``logging`` at INFO every this many steps (``None``: never)."""
+
+    @property
+    def levels(self) -> tuple[AveragingLevel, ...]:
+        return self.config.levels
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.config.warmup_steps
+
+    def due_level(self) -> int | None:
+        """Index of the level that averages at the current count, or ``None``."""
+        return level_at(self.step, self.config.levels, self.config.warmup_steps)
+
+    def step_and_average(self, tensors: Callable[[], Sequence[torch.Tensor]]) -> int | None:
+        """Average ``tensors()`` if the schedule says so at the current count, then advance the count.
+
+        Call it once per optimizer step, after the inner optimizer has stepped.
+
+        Args:
+            tensors: Called only when averaging is due; returns the tensors to average in place.
+
+        Returns:
+            The index of the level that averaged, or ``None``.
+        """
+        self.verify_step_if_loaded()
+        index = self.due_level()
+        if index is not None:
+            self.average(index, tensors())
+        self.step += 1
+        if self.log_metrics_every and self.step % self.log_metrics_every == 0:
+            logger.info("hierarchical averaging at step %d: %s", self.step, self.metrics())
+        return index
+
+    def average(self, level_index: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Average ``tensors`` in place at level ``level_index`` now, whatever the count.
+
+        ``level_index=-1`` averages at the top level: with ``ranks_per_replica=1``, over
+        the whole process group.
+
+        .. warning::
+            Collective over this rank's subgroup at that level.
+
+        Raises:
+            RuntimeError: if the ranks of the subgroup disagree on the tensors (see
+                :func:`hieravg_optim.averaging.check_agreement`).
+        """
+        lg = self.level_groups[level_index]
+        metrics = self._metrics[level_index]
+        if lg.group is None:
+            metrics.rounds += 1
+            return
+        start = time.perf_counter()
+        check_agreement(
+            tensors,
+            lg.group,
+            lg.ranks,
+            context=(self.step, self.config.bucket_cap_mb),
+            what=f"the parameters to average at step {self.step} (period {lg.level.period}, group size "
+            f"{lg.level.group_size}); the first item is (step count, bucket_cap_mb)",
+        )
+        with torch.no_grad():
+            payload = average_tensors_(
+                tensors, lg.group, lg.size, bucket_cap_bytes=self.config.bucket_cap_bytes, pool=self.pool
+            )
+        metrics.rounds += 1
+        metrics.payload_bytes += payload
+        metrics.bytes_sent += 2 * (lg.size - 1) * payload // lg.size
+        metrics.seconds += time.perf_counter() - start
+
+    def metrics(self) -> dict[int, dict[str, Any]]:
+        """Per level, keyed by period: rounds, payload and sent bytes, seconds (see :class:`LevelMetrics`)."""
+        return {m.period: asdict(m) for m in self._metrics}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The averaging state: the step count and, for checking on resume, the levels."""
+        return {
+            "step": self.step,
+            "levels": [[lv.period, lv.group_size] for lv in self.config.levels],
+            "warmup_steps": self.config.warmup_steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output. The count is checked across ranks at the next step."""
+        self.step = int(state["step"])
+        saved = [tuple(x) for x in state.get("levels", [])]
+        current = [(lv.period, lv.group_size) for lv in self.config.levels]
+        if saved and saved != current:
+            warnings.warn(
+                f"Resuming hierarchical averaging at step {self.step} with levels {current}, but the checkpoint "
+                f"was saved with levels {saved}. The schedule continues from the saved count with the new levels.",
+                UserWarning,
+                stacklevel=3,
+            )
+        self._verify_step_pending = True
+
+    def verify_step_if_loaded(self) -> None:
+        """After a load, check once that every rank resumed at the same count (collective over the group)."""
+        if self._verify_step_pending:
+            self._verify_step_pending = False
+            self._check_same_across_ranks("the averaging step count after load_state_dict", self.step)
+
+    def _check_same_across_ranks(self, what: str, value: object) -> None:
+        device = _collective_device(self.process_group)
+        mine = torch.tensor([_digest(value)], dtype=torch.int64, device=device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self.process_group)
+        if all(int(t) == int(mine) for t in everyone):
+            return
+        values: list = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.process_group)
+        ranks = dist.get_process_group_ranks(self.process_group)
+        for index, other in enumerate(values):
+            if other != values[0]:
+                raise RuntimeError(
+                    f"Ranks disagree on {what}: rank {ranks[0]} has {values[0]!r}, rank {ranks[index]} has "
+                    f"{other!r}. Every rank must use the same settings and resume from the same checkpoint."
+                )
+
+
+class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
+    """Wraps any optimizer and averages the parameters hierarchically after its steps.
+
+    Each :meth:`step` runs the inner step; then, from ``warmup_steps`` on, when the
+    step count is divisible by one or more periods, the subgroup of the largest such
+    period averages the parameters in place (hierarchical SGD,
+    https://arxiv.org/abs/2010.12998, which generalises post-local SGD,
+    https://arxiv.org/abs/1808.07217). Arguments, schedule and errors follow torch's
+    ``HierarchicalModelAverager`` and ``PostLocalSGDOptimizer``; unlike them, it
+
+    * writes the averages into each parameter's own storage (views into flat
+      buffers stay views) through reusable buckets of ``bucket_cap_mb`` MB instead
+      of one model-sized buffer;
+    * averages every parameter of ``param_groups`` whatever its ``.grad`` (torch
+      skips parameters whose ``.grad`` is ``None``, which can differ across ranks
+      and hang), and checks that the ranks agree on shapes and dtypes first;
+    * averages sharded parameters (DTensor local shards, ZeRO partitions, FSDP flat
+      parameters) among the ranks that hold the same shard.
+
+    Which tensors are averaged: every parameter in the inner optimizer's
+    ``param_groups`` (each once, in order; a DTensor by its local shard), then the
+    floating-point tensors of ``buffers``. Optimizer state (momentum, Adam moments)
+    is not averaged, as in torch.
+
+    .. warning::
+        The constructor is collective over the default process group (it creates the
+        subgroups). :meth:`step` is collective over the averaging subgroup when
+        averaging is due: every rank must call it the same number of times.
+
+    Args:
+        optimizer: The inner (local) optimizer.
+        period_group_size_dict: ``{period: group_size}``: every ``period`` steps, blocks of
+            ``group_size`` consecutive ranks average. Periods strictly increasing; the last
+            group size is the size of ``process_group``. Example: ``{4: 8, 32: 32}``.
+        warmup_steps: Steps (counts ``0 .. warmup_steps - 1``) that never average.
+        process_group: The overall group; ``None`` means the default group.
+        ranks_per_replica: Consecutive ranks that together hold one (possibly sharded)
+            replica; a level then averages among the ranks of its block with the same
+            shard index. 1 for full parameters (plain PyTorch, DDP).
+        bucket_cap_mb: Bucket size, in MB (10**6 bytes).
+        buffers: Tensors averaged on the same schedule, e.g. ``model.buffers()``
+            (BatchNorm running statistics); non-floating ones are left untouched.
+
+    Raises:
+        ValueError: for an invalid setting, naming it, on every rank before any collective.
+        TypeError: if ``optimizer`` has no ``param_groups`` or ``step``, or is already wrapped.
+        RuntimeError: if the ranks were given different settings.
+
+    Example::
+
+        >>> opt = HierarchicalAveragingOptimizer(
+        ...     torch.optim.AdamW(model.parameters(), lr=1e-3),
+        ...     period_group_size_dict={4: 2, 16: dist.get_world_size()},
+        ...     warmup_steps=100,
+        ... )
+        >>> for x, y in loader:
+        ...     opt.zero_grad()
+        ...     loss_fn(model(x), y).backward()
+        ...     opt.step()
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        period_group_size_dict: Mapping[int, int] | Iterable[AveragingLevel],
+        warmup_steps: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        ranks_per_replica: int = 1,
+        bucket_cap_mb: float = 25.0,
+        buffers: Iterable[torch.Tensor] | None = None,
+    ) -> None:
+        if isinstance(optimizer, HierarchicalAveragingOptimizer):
+            raise TypeError("optimizer is already a HierarchicalAveragingOptimizer: wrap the inner optimizer once.")
+        if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer (with param_groups and step()), "
+                f"got {type(optimizer).__name__}."
+            )
+        config = AveragingConfig.create(
+            period_group_size_dict,
+            warmup_steps=warmup_steps,
+            ranks_per_replica=ranks_per_replica,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        self.optimizer = optimizer
+        self.buffers = [b for b in (buffers or ()) if b.is_floating_point()]
+        self.averager = HierarchicalAverager(config, process_group)
+
+    # -- the inner optimizer's state, read and assigned through --------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    @property
+    def averaging_step(self) -> int:
+        """The averaging step count (torch's ``averager.step``): steps taken so far."""
+        return self.averager.step
+
+    def __repr__(self) -> str:
+        levels = {lv.period: lv.group_size for lv in self.averager.levels}
+        return (
+            f"{type(self).__name__}(levels={levels}, warmup_steps={self.averager.warmup_steps}, "
+            f"ranks_per_replica={self.averager.config.ranks_per_replica}, inner={self.optimizer!r})"
+        )
+
+    # -- optimizer API ------------------------------------------------------------------------------
+    def tensors_to_average(self) -> list[torch.Tensor]:
+        """This rank's tensors to average, in order: the parameters of ``param_groups``, then the buffers.
+
+        The list is the same on every rank whose model and parameter groups are built
+        the same way; it never depends on ``.grad``.
+        """
+        seen: set[int] = set()
+        out = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(local_tensor(p))
+        out.extend(local_tensor(b) for b in self.buffers)
+        return out
+
+    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+        """Run the inner step, then average if the schedule says so; return the closure's loss.
+
+        .. warning::
+            Collective over the averaging subgroup when averaging is due.
+        """
+        self.averager.verify_step_if_loaded()
+        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.averager.step_and_average(self.tensors_to_average)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the inner optimizer. Every rank must add the same group (shapes, dtypes)."""
+        self.optimizer.add_param_group(param_group)
+
+    def metrics(self) -> dict[int, dict[str, Any]]:
+        """Per level, keyed by period: rounds, bytes and seconds; see :class:`LevelMetrics`."""
+        return self.averager.metrics()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict, plus the averaging state.
+
+        The averaging state is under ``"hierarchical_averaging"``; the count is also
+        written as the top-level ``"step"``, as torch's ``PostLocalSGDOptimizer`` does,
+        so either wrapper can load the other's checkpoints.
+        """
+        state = self.optimizer.state_dict()
+        state[STATE_KEY] = self.averager.state_dict()
+        state["step"] = self.averager.step
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output, or a state dict of torch's ``PostLocalSGDOptimizer``.
+
+        With no step count in it: a warning, and the count starts at 0 (as torch does).
+        Every rank must then call :meth:`step`: the first one checks that all ranks
+        resumed at the same count.
+        """
+        inner = dict(state_dict)
+        ours = inner.pop(STATE_KEY, None)
+        torch_step = inner.pop("step", None)
+        self.optimizer.load_state_dict(inner)
+        if ours is not None:
+            self.averager.load_state_dict(ours)
+        elif torch_step is not None:
+            self.averager.load_state_dict({"step": int(torch_step)})
+        else:
+            warnings.warn(
+                "Loaded state dict does not contain a step counter for the averager. Setting step counter to 0.",
+                UserWarning,
+                stacklevel=2,
+            )
+            self.averager.load_state_dict({"step": 0})

@@ -1,0 +1,79 @@
+"""When to average: the hierarchical SGD schedule, as pure functions.
+
+This module answers one question: *which level, if any, averages at step count k?*
+It imports nothing from ``torch.distributed`` so that it can be tested, and
+reasoned about, without a process group.
+
+The rule is the one of PyTorch's
+``torch.distributed.algorithms.model_averaging.hierarchical_model_averager.HierarchicalModelAverager``
+(hierarchical SGD, https://arxiv.org/abs/2010.12998):
+
+* the step count starts at 0 and goes up by one per optimizer step, *after* the
+  inner optimizer has stepped and averaging (if any) has run;
+* at a count ``k >= warmup_steps``, among the periods that divide ``k``, the
+  largest one wins and its level averages; no other level runs at that count;
+* count 0 is divisible by every period, so with ``warmup_steps=0`` the first
+  step averages at the top level, exactly as torch does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["AveragingLevel", "level_at", "rounds_per_level"]
+
+
+@dataclass(frozen=True, slots=True)
+class AveragingLevel:
+    """One level of the hierarchy: every ``period`` steps, groups of ``group_size`` ranks average.
+
+    The groups of a level are contiguous blocks of ``group_size`` ranks of the
+    overall process group (see :mod:`hieravg_optim.groups`).
+    """
+
+    period: int
+    """Averaging period of this level, in optimizer steps."""
+
+    group_size: int
+    """Number of ranks (of the overall process group) in each averaging group of this level."""
+
+
+def level_at(count: int, levels: Sequence[AveragingLevel], warmup_steps: int) -> int | None:
+    """Return the index into ``levels`` of the level that averages at step ``count``.
+
+    Args:
+        count: The averaging step count, in optimizer steps, starting at 0.
+        levels: The levels, with strictly increasing periods (as validated by
+            :class:`hieravg_optim.config.AveragingConfig`).
+        warmup_steps: Counts below this never average.
+
+    Returns:
+        The index of the level with the largest period that divides ``count``,
+        or ``None`` when ``count < warmup_steps`` or no period divides it.
+    """
+    if count < warmup_steps:
+        return None
+    for index in range(len(levels) - 1, -1, -1):
+        if count % levels[index].period == 0:
+            return index
+    return None
+
+
+def rounds_per_level(
+    start: int, stop: int, levels: Sequence[AveragingLevel], warmup_steps: int
+) -> list[int]:
+    """Count the averaging rounds of each level over the step counts ``start <= k < stop``.
+
+    Examples, benchmarks and tests use it to state the exact number of rounds
+    they expect.
+
+    Returns:
+        A list with one entry per level, in the order of ``levels``.
+    """
+    rounds = [0] * len(levels)
+    for count in range(start, stop):
+        index = level_at(count, levels, warmup_steps)
+        if index is not None:
+            rounds[index] += 1
+    return rounds
