@@ -49,7 +49,8 @@ def load_digits_shard(rank: int, world_size: int, *, non_iid: bool = False, seed
         data.data, data.target, test_size=0.25, random_state=seed, stratify=data.target
     )
     mean = x_tr.mean(axis=0)
-    std = x_tr.std(axis=0) + 1e-6
+    std = x_tr.std(axis=0)
+    std[std == 0] = 1.0  # pixels constant in training (e.g. always 0): only centre them, never divide by ~0
     x_train = torch.tensor((x_tr - mean) / std, dtype=torch.float32)
     x_test = torch.tensor((x_te - mean) / std, dtype=torch.float32)
     y_train = torch.tensor(y_tr, dtype=torch.int64)
