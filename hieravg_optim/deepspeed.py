@@ -406,6 +406,19 @@ class DeepSpeedAveraging:
             self.push_to_module()
         return index
 
+    def average_now(self, level_index: int = -1) -> None:
+        """Average the master weights at one level now, whatever the count, and push them into the module.
+
+        ``-1`` is the top level: every replica ends with the same weights (e.g. before evaluation).
+        The step count does not change.
+
+        .. warning::
+            Collective over this rank's subgroup at that level and over its replica.
+        """
+        self.averager.average(level_index, self.master_tensors())
+        if self.averager.level_groups[level_index].group is not None:
+            self.push_to_module()
+
     @torch.no_grad()
     def broadcast_from_first_replica(self) -> None:
         """Make every replica start from replica 0's master weights (as DDP broadcasts from rank 0).

@@ -1,0 +1,163 @@
+"""Hierarchical SGD on DeepSpeed: the digits MLP, configured by a DeepSpeed JSON file.
+
+The ``"hierarchical_averaging"`` section of the config turns it on; everything else is a
+plain DeepSpeed config (ZeRO stage, bf16/fp16, optimizer, scheduler). Replicas are blocks
+of ``ranks_per_replica`` consecutive ranks: within one, DeepSpeed reduces gradients every
+step and ZeRO partitions; across replicas, :mod:`hieravg_optim.deepspeed` averages the fp32
+master partitions on the hierarchical schedule (https://arxiv.org/abs/2010.12998).
+
+Run on CPU (DeepSpeed picks its CPU accelerator and gloo; no download)::
+
+    deepspeed --num_gpus 4 examples/train_digits_deepspeed.py \\
+        --deepspeed_config ds_configs/zero2_fp32.json --metrics-out runs/digits_ds.json
+
+or with torchrun::
+
+    torchrun --nproc_per_node 4 examples/train_digits_deepspeed.py --deepspeed_config ds_configs/zero3_bf16.json
+
+Rank 0 shows a progress bar and prints the test accuracy of the final, globally averaged
+model. ``--metrics-out`` writes the same JSON keys as ``examples/train_digits.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from digits_common import batches, build_mlp, evaluate, load_digits_shard, replicas_identical, write_metrics  # noqa: E402
+
+import hieravg_optim.deepspeed as hds  # noqa: E402
+from hieravg_optim import rounds_per_level  # noqa: E402
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Train an MLP on the digits with DeepSpeed and hierarchical averaging. Launch with: "
+        "deepspeed --num_gpus 4 examples/train_digits_deepspeed.py --deepspeed_config ds_configs/zero2_fp32.json"
+    )
+    parser.add_argument("--epochs", type=int, default=20, help="passes over each rank's share (default: 20)")
+    parser.add_argument("--seed", type=int, default=0, help="data split, init and shuffling (default: 0)")
+    parser.add_argument("--non-iid", action="store_true", help="give each rank a block of the data sorted by label")
+    parser.add_argument("--metrics-out", metavar="PATH", default=None, help="write the run's metrics as JSON to PATH")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    deepspeed.add_config_arguments(parser)  # --deepspeed, --deepspeed_config
+    return parser
+
+
+def full_parameters(engine) -> list[torch.Tensor]:
+    """Every module parameter in full (gathered under ZeRO-3), as fp32 copies on CPU."""
+    params = list(engine.module.parameters())
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(params):
+            return [p.detach().float().cpu().clone() for p in params]
+    return [p.detach().float().cpu().clone() for p in params]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    if not args.deepspeed_config:
+        raise SystemExit("error: --deepspeed_config PATH is required, e.g. ds_configs/zero2_fp32.json")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else None)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    start = time.perf_counter()
+
+    data = load_digits_shard(rank, world_size, non_iid=args.non_iid, seed=args.seed)
+    model = build_mlp(seed=args.seed)  # the same initial weights on every rank
+    engine, _, _, _ = hds.initialize(args=args, model=model, model_parameters=model.parameters())
+    averaging = hds.get_averaging(engine)
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
+    micro = engine.train_micro_batch_size_per_gpu()
+    accumulation = engine.gradient_accumulation_steps()
+
+    # Every rank must take the same number of engine steps.
+    smallest = torch.tensor([len(data.y_train)])
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    steps_per_epoch = int(smallest) // (micro * accumulation)
+    if steps_per_epoch == 0:
+        raise SystemExit(f"error: micro batch {micro} x accumulation {accumulation} exceeds a rank's share ({int(smallest)})")
+    total_steps = steps_per_epoch * args.epochs
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    loss_curve = []
+    bar = tqdm(total=total_steps, disable=rank != 0, desc="digits (deepspeed)", unit="step", mininterval=0.5)
+    for epoch in range(args.epochs):
+        epoch_loss = torch.zeros(1, dtype=torch.float64)
+        epoch_batches = batches(data.x_train, data.y_train, micro, epoch=epoch, seed=args.seed + rank)
+        for _, (x, y) in zip(range(steps_per_epoch * accumulation), epoch_batches):
+            loss = loss_fn(engine(x.to(dtype)).float(), y)
+            engine.backward(loss)
+            engine.step()
+            epoch_loss += loss.item()
+        bar.update(steps_per_epoch)
+        dist.all_reduce(epoch_loss)
+        loss_curve.append(epoch_loss.item() / (steps_per_epoch * accumulation * world_size))
+        bar.set_postfix(loss=f"{loss_curve[-1]:.4f}", epoch=epoch + 1)
+    bar.close()
+
+    metrics: dict = {
+        "world_size": world_size,
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "non_iid": args.non_iid,
+        "steps": total_steps,
+        "zero_stage": engine.zero_optimization_stage(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "micro_batch_size": micro,
+        "gradient_accumulation_steps": accumulation,
+        "final_lr": engine.get_lr()[0],
+        "loss_curve": loss_curve,
+        "final_loss": loss_curve[-1],
+        "deepspeed_config": args.deepspeed_config,
+        "deepspeed_version": deepspeed.__version__,
+        "torch_version": torch.__version__,
+    }
+    if averaging is not None:
+        levels = averaging.averager.levels
+        expected = rounds_per_level(0, total_steps, levels, averaging.config.warmup_steps)
+        metrics.update(
+            {
+                "period_group_size": {str(lv.period): lv.group_size for lv in levels},
+                "warmup_steps": averaging.config.warmup_steps,
+                "ranks_per_replica": averaging.config.ranks_per_replica,
+                "averaging_steps": averaging.step,
+                "rounds_per_level": {str(p): m["rounds"] for p, m in averaging.metrics().items()},
+                "expected_rounds_per_level": {str(lv.period): n for lv, n in zip(levels, expected)},
+                "bytes_sent_per_level": {str(p): m["bytes_sent"] for p, m in averaging.metrics().items()},
+            }
+        )
+        averaging.average_now(-1)  # final global averaging: every replica holds the same weights
+    else:
+        metrics.update({"period_group_size": None, "rounds_per_level": {}, "ranks_per_replica": world_size})
+
+    metrics["replicas_identical"] = replicas_identical(full_parameters(engine))
+    engine.eval()
+    with torch.no_grad():
+        test_loss, test_accuracy = evaluate(lambda x: engine(x.to(dtype)), data.x_test, data.y_test)
+    metrics.update({"test_loss": test_loss, "test_accuracy": test_accuracy, "seconds": time.perf_counter() - start})
+    if rank == 0:
+        print(
+            f"test accuracy {test_accuracy:.4f}  final train loss {metrics['final_loss']:.4f}  "
+            f"averaging rounds per period {metrics['rounds_per_level']}  "
+            f"replicas identical {metrics['replicas_identical']}  ({metrics['seconds']:.1f} s)",
+            flush=True,
+        )
+        if args.metrics_out:
+            write_metrics(args.metrics_out, metrics)
+    identical = metrics["replicas_identical"]
+    dist.barrier()
+    dist.destroy_process_group()
+    if not identical:
+        raise SystemExit("replicas differ after the final global averaging")
+
+
+if __name__ == "__main__":
+    main()
