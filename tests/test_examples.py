@@ -1,0 +1,179 @@
+"""The torchrun digits example and the README's quickstarts, run as real launcher subprocesses.
+
+Each test launches ``torchrun --standalone``: its rendezvous is a c10d TCP store on a
+port the OS picks at run time (``localhost:0``), so there is no fixed port and no
+race between tests. A launch has a wall-clock timeout (scaled by
+``HIERAVG_TEST_TIMEOUT_SCALE``); on a timeout the whole process group of the
+launcher is killed and its output shown.
+
+The 4-rank digits run is compared with a golden trajectory in
+``tests/golden/train_digits_w4.json``. With fixed seeds and one thread per rank
+the run is deterministic on CPU, so the tolerance is tight; regenerate the file
+after an intended change with ``HIERAVG_REGEN_GOLDEN=1 python -m pytest -q tests/test_examples.py``.
+
+Runtime budget of this file: about 90 s on 2 idle cores (each launch of 2-4 ranks
+costs 10-20 s, mostly importing torch and scikit-learn).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import default_timeout
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_digits.py"
+GOLDEN = ROOT / "tests" / "golden" / "train_digits_w4.json"
+REGEN = os.environ.get("HIERAVG_REGEN_GOLDEN") == "1"
+
+# Tolerances for the golden comparison. The run is bitwise reproducible with the same torch build; the
+# slack only absorbs a different CPU kernel path (e.g. another SIMD width), not a behaviour change.
+LOSS_RTOL = 1e-4
+ACCURACY_ATOL = 1.5 / 450  # at most one of the 450 test images classified differently
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def torchrun(nproc: int, script: Path | str, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
+    """Run ``torchrun --standalone --nproc_per_node nproc script args`` and return its completed process.
+
+    On a timeout the launcher and every rank are killed (they share a new session)
+    and the test fails with the captured output.
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+        str(script), *args,
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    limit = default_timeout(timeout)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(
+            f"{' '.join(cmd)} did not finish within {limit:.0f} s (hang?).\n--- stdout ---\n{out[-4000:]}\n"
+            f"--- stderr ---\n{err[-8000:]}"
+        )
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def check_ok(result: subprocess.CompletedProcess) -> None:
+    if result.returncode != 0:
+        pytest.fail(
+            f"{' '.join(result.args)} exited with {result.returncode}.\n--- stdout ---\n{result.stdout[-4000:]}\n"
+            f"--- stderr ---\n{result.stderr[-8000:]}"
+        )
+
+
+def hand_rounds(steps: int, levels: dict[int, int], warmup: int) -> dict[str, int]:
+    """Averaging rounds per period over counts 0..steps-1, straight from the rule (not the library's schedule)."""
+    rounds = {str(p): 0 for p in levels}
+    for count in range(warmup, steps):
+        divisors = [p for p in levels if count % p == 0]
+        if divisors:
+            rounds[str(max(divisors))] += 1
+    return rounds
+
+
+def compare_golden(metrics: dict) -> None:
+    keys = ["world_size", "period_group_size", "warmup_steps", "epochs", "lr", "batch_size", "seed", "steps",
+            "rounds_per_level", "loss_curve", "final_loss", "test_loss", "test_accuracy"]  # fmt: skip
+    current = {k: metrics[k] for k in keys}
+    if REGEN:
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_text(json.dumps(dict(current, torch_version=metrics["torch_version"]), indent=2) + "\n")
+    assert GOLDEN.exists(), f"{GOLDEN} is missing: create it with HIERAVG_REGEN_GOLDEN=1"
+    golden = json.loads(GOLDEN.read_text())
+    hint = (
+        f"(golden made with torch {golden.get('torch_version')}, this run {metrics['torch_version']}); "
+        "after an intended change regenerate with HIERAVG_REGEN_GOLDEN=1"
+    )
+    for k in ["world_size", "period_group_size", "warmup_steps", "epochs", "lr", "batch_size", "seed", "steps",
+              "rounds_per_level"]:  # fmt: skip
+        assert current[k] == golden[k], f"{k}: {current[k]!r} != golden {golden[k]!r} {hint}"
+    assert len(current["loss_curve"]) == len(golden["loss_curve"])
+    for epoch, (a, b) in enumerate(zip(current["loss_curve"], golden["loss_curve"])):
+        assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"epoch {epoch} training loss {a} != golden {b} {hint}"
+    for k in ["final_loss", "test_loss"]:
+        assert math.isclose(current[k], golden[k], rel_tol=LOSS_RTOL), f"{k} {current[k]} != golden {golden[k]} {hint}"
+    assert abs(current["test_accuracy"] - golden["test_accuracy"]) <= ACCURACY_ATOL, (
+        f"test_accuracy {current['test_accuracy']} != golden {golden['test_accuracy']} {hint}"
+    )
+
+
+def test_train_digits_4_ranks_two_levels(tmp_path):
+    """The README's main job: 4 ranks, default hierarchy 4:2,16:4, accuracy target, exact rounds, golden run."""
+    out = tmp_path / "digits.json"
+    result = torchrun(4, EXAMPLE, "--metrics-out", str(out))
+    check_ok(result)
+    metrics = json.loads(out.read_text())
+    assert metrics["world_size"] == 4
+    assert metrics["period_group_size"] == {"4": 2, "16": 4}
+    assert metrics["steps"] == 200  # 20 epochs x (336 samples // 32) steps
+    assert metrics["test_accuracy"] >= 0.93, metrics
+    assert metrics["rounds_per_level"] == hand_rounds(200, {4: 2, 16: 4}, 0) == {"4": 37, "16": 13}
+    assert metrics["rounds_per_level"] == metrics["expected_rounds_per_level"]
+    assert metrics["replicas_identical"] is True
+    assert 0 < metrics["final_loss"] < metrics["loss_curve"][0]
+    assert "test accuracy" in result.stdout
+    compare_golden(metrics)
+
+
+def test_train_digits_warmup_single_level_non_iid(tmp_path):
+    """2 ranks, one level with warm-up, non-IID shares: rounds start at the warm-up, replicas end identical."""
+    out = tmp_path / "digits2.json"
+    args = ["--period-group-size", "3:2", "--warmup-steps", "25", "--epochs", "4", "--non-iid", "--lr", "3e-3"]
+    check_ok(torchrun(2, EXAMPLE, *args, "--metrics-out", str(out)))
+    metrics = json.loads(out.read_text())
+    steps = 4 * (673 // 32)  # 1347 training images dealt to 2 ranks: the smaller share has 673
+    assert metrics["steps"] == steps == 84
+    assert metrics["rounds_per_level"] == hand_rounds(steps, {3: 2}, 25) == {"3": 19}  # counts 27, 30, ..., 81
+    assert metrics["rounds_per_level"] == metrics["expected_rounds_per_level"]
+    assert metrics["replicas_identical"] is True
+    assert metrics["non_iid"] is True
+
+
+def test_train_digits_bad_arguments_fail_clearly():
+    """A hierarchy that does not fit the world size: exit code 2, one message naming the value, no hang."""
+    result = torchrun(2, EXAMPLE, "--period-group-size", "4:2,16:4", timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.count("usage:") == 1, result.stderr
+    assert "--period-group-size 4:2,16:4 with 2 ranks" in result.stderr
+    assert "must divide the size of the process group (2)" in result.stderr
+
+
+def readme_block(name: str) -> str:
+    """The fenced code block that follows ``<!-- test:NAME -->`` in the README."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(rf"<!-- test:{re.escape(name)} -->\s*```[a-z]*\n(.*?)```", text, re.S)
+    assert match, f"README.md has no fenced code block after <!-- test:{name} -->"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("name", ["quickstart", "quickstart_ddp"])
+def test_readme_quickstart_runs(tmp_path, name):
+    """The README's quickstarts, pasted into a file and launched on 4 ranks, run and average as documented."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(readme_block(name))
+    result = torchrun(4, script)
+    check_ok(result)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 4, result.stdout
+    expected = readme_block(f"{name}_output").strip().splitlines()[0]  # rank 0's line, as shown in the README
+    expected_rounds = expected[expected.index("rounds") :]
+    for line in lines:
+        assert line.endswith(expected_rounds), f"{line!r} does not end with {expected_rounds!r}"
