@@ -127,26 +127,35 @@ def average_tensors_(
         packed: list[torch.Tensor] = []
         for t in group_tensors:
             payload += t.numel() * itemsize
-            if not t.is_contiguous():
-                # One temporary contiguous copy of this tensor, reduced on its own.
-                tmp = t.to(dtype=acc, memory_format=torch.contiguous_format, copy=True)
-                dist.all_reduce(tmp, op=dist.ReduceOp.SUM, group=group)
-                tmp.div_(group_size)
-                t.copy_(tmp)
-                del tmp
-            elif t.dtype == acc and t.numel() >= cap:
-                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-                t.div_(group_size)
+            # Whether a tensor is reduced on its own or packed depends only on its dtype and size,
+            # which the ranks agreed on (check_agreement), never on its strides: every rank issues the
+            # same collectives even where one holds a transposed view and another a contiguous tensor.
+            if t.dtype == acc and t.numel() >= cap:
+                if t.is_contiguous():
+                    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+                    t.div_(group_size)
+                else:
+                    # One temporary contiguous copy of this tensor, reduced on its own.
+                    tmp = t.contiguous()
+                    dist.all_reduce(tmp, op=dist.ReduceOp.SUM, group=group)
+                    tmp.div_(group_size)
+                    t.copy_(tmp)
+                    del tmp
             else:
-                packed.append(t.view(-1))
+                packed.append(t)
         if not packed:
             continue
-        total = sum(f.numel() for f in packed)
+        total = sum(t.numel() for t in packed)
         bucket = pool.get(device, acc, min(cap, total))
         cap_here = bucket.numel()
         used = 0
         pending: list[_Pending] = []
-        for flat in packed:
+        # Non-contiguous tensors are packed from one temporary contiguous copy each (in their own
+        # dtype), copied back once their last piece has been reduced.
+        copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for t in packed:
+            tmp = None if t.is_contiguous() else t.contiguous()
+            flat = (t if tmp is None else tmp).view(-1)
             start = 0
             n = flat.numel()
             while start < n:
@@ -159,8 +168,19 @@ def average_tensors_(
                 if used == cap_here:
                     _flush(bucket, used, pending, group, group_size)
                     used = 0
+                    for dst, src in copy_back:
+                        dst.copy_(src)
+                    copy_back.clear()
+            if tmp is not None:
+                if used:
+                    copy_back.append((t, tmp))
+                else:
+                    t.copy_(tmp)
+            del tmp
         if used:
             _flush(bucket, used, pending, group, group_size)
+            for dst, src in copy_back:
+                dst.copy_(src)
     return payload
 
 
@@ -220,7 +240,8 @@ def check_agreement(
     """
     local = [context, tensor_signature(tensors)]
     digest = _digest(local)
-    device = tensors[0].device if tensors else _collective_device(group)
+    # The same rule on every rank, whatever its tensors: a rank with none must not pick another device.
+    device = _collective_device(group)
     probe = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
     if int(probe[0]) == -int(probe[1]):
