@@ -10,7 +10,10 @@ Every check here is local: it raises on every rank, before any collective.
 
 from __future__ import annotations
 
+import math
 import numbers
+import os
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -18,6 +21,23 @@ from dataclasses import dataclass
 from .schedule import AveragingLevel
 
 __all__ = ["AveragingConfig", "parse_levels"]
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first frame outside this package: the user's call.
+
+    A fixed ``stacklevel`` is wrong as soon as the same check is reached through
+    different call depths (the wrapper, the averager, the DeepSpeed adapter).
+    """
+    frame = sys._getframe(1)
+    level = 2
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def _is_int(value: object) -> bool:
@@ -135,8 +155,9 @@ class AveragingConfig:
             isinstance(self.bucket_cap_mb, bool)
             or not isinstance(self.bucket_cap_mb, numbers.Real)
             or not self.bucket_cap_mb > 0
+            or not math.isfinite(self.bucket_cap_mb)
         ):
-            raise ValueError(f"bucket_cap_mb must be a positive number of MB, got {self.bucket_cap_mb!r}.")
+            raise ValueError(f"bucket_cap_mb must be a positive, finite number of MB, got {self.bucket_cap_mb!r}.")
 
     @classmethod
     def create(
@@ -172,7 +193,7 @@ class AveragingConfig:
                 :attr:`ranks_per_replica`, or the last group size is not ``world_size``.
 
         Warns:
-            UserWarning: (stacklevel 3, the caller's caller) when the largest period is 1, as torch
+            UserWarning: (attributed to the first caller outside hieravg_optim) when the largest period is 1, as torch
                 does, or when a level's groups do not nest in the next level's groups.
         """
         s = self.ranks_per_replica
@@ -199,26 +220,20 @@ class AveragingConfig:
                 f"equal to the size of the process group ({world_size}): the top level averages all replicas."
             )
         if self.levels[-1].period == 1:
-            warnings.warn(
+            _warn_at_caller(
                 "The largest period in period_group_size is 1: averaging parameters every step costs at least "
                 "as much as all-reducing gradients. Use plain DDP / ZeRO / FSDP instead.",
-                UserWarning,
-                stacklevel=3,
             )
         for lower, upper in zip(self.levels, self.levels[1:]):
             if upper.group_size % lower.group_size != 0:
-                warnings.warn(
+                _warn_at_caller(
                     f"Group size {lower.group_size} (period {lower.period}) does not divide group size "
                     f"{upper.group_size} (period {upper.period}): the levels' groups do not nest, so this is "
                     "not a hierarchy. It is legal, as in torch, but rarely intended.",
-                    UserWarning,
-                    stacklevel=3,
                 )
         for level in self.levels[:-1]:
             if level.group_size == s:
-                warnings.warn(
+                _warn_at_caller(
                     f"Level with period {level.period} has group size {level.group_size} == ranks_per_replica: "
                     "its groups hold a single replica, so it never averages anything. Remove it.",
-                    UserWarning,
-                    stacklevel=3,
                 )
