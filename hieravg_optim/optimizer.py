@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .averaging import BucketPool, _collective_device, _digest, average_tensors_, check_agreement
-from .config import AveragingConfig
+from .config import AveragingConfig, _warn_at_caller
 from .groups import LevelGroup, build_level_groups
 from .schedule import AveragingLevel, level_at
 
@@ -226,11 +226,9 @@ class HierarchicalAverager:
         saved = [tuple(x) for x in state.get("levels", [])]
         current = [(lv.period, lv.group_size) for lv in self.config.levels]
         if saved and saved != current:
-            warnings.warn(
+            _warn_at_caller(
                 f"Resuming hierarchical averaging at step {self.step} with levels {current}, but the checkpoint "
-                f"was saved with levels {saved}. The schedule continues from the saved count with the new levels.",
-                UserWarning,
-                stacklevel=3,
+                f"was saved with levels {saved}. The schedule continues from the saved count with the new levels."
             )
         self._verify_step_pending = True
 
@@ -346,8 +344,19 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             ranks_per_replica=ranks_per_replica,
             bucket_cap_mb=bucket_cap_mb,
         )
+        if isinstance(buffers, torch.Tensor):
+            raise TypeError("buffers must be an iterable of tensors, e.g. model.buffers(), got a single Tensor.")
         self.optimizer = optimizer
-        self.buffers = [b for b in (buffers or ()) if b.is_floating_point()]
+        self.buffers = [b for b in (() if buffers is None else buffers) if b.is_floating_point()]
+        # torch.optim.Optimizer's own bookkeeping, without its __init__ (which would assign
+        # param_groups, state and defaults, i.e. the inner optimizer's, through the properties below):
+        # register_step_pre_hook() and the other hook registrations of the base class work.
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self.averager = HierarchicalAverager(config, process_group, log_metrics_every=log_metrics_every)
 
     # -- the inner optimizer's state, read and assigned through --------------------------------
@@ -380,6 +389,12 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         """The averaging step count (torch's ``averager.step``): steps taken so far."""
         return self.averager.step
 
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            f"{type(self).__name__} holds process groups and cannot be pickled or deep-copied. "
+            "Save optimizer.state_dict() instead and restore it with load_state_dict() on a new wrapper."
+        )
+
     def __repr__(self) -> str:
         levels = {lv.period: lv.group_size for lv in self.averager.levels}
         return (
@@ -407,9 +422,31 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         """Run the inner step, then average if the schedule says so; return the closure's loss.
 
+        Hooks registered on this wrapper with ``register_step_pre_hook`` /
+        ``register_step_post_hook`` run around the whole step (inner step and averaging),
+        as ``torch.optim.Optimizer`` runs them; global optimizer hooks run once, for the
+        inner optimizer's step.
+
         .. warning::
             Collective over the averaging subgroup when averaging is due.
         """
+        args: tuple = (self,) if closure is None else (self, closure)
+        kwargs: dict[str, Any] = {}
+        for pre_hook in list(self._optimizer_step_pre_hooks.values()):
+            result = pre_hook(self, args, kwargs)
+            if result is not None:
+                if isinstance(result, tuple) and len(result) == 2:
+                    args, kwargs = result
+                else:
+                    raise RuntimeError(
+                        f"A step pre-hook must return None or a tuple (new_args, new_kwargs), got {result!r}."
+                    )
+        loss = self._step(*args[1:], **kwargs)
+        for post_hook in list(self._optimizer_step_post_hooks.values()):
+            post_hook(self, args, kwargs)
+        return loss
+
+    def _step(self, closure: Callable[[], float] | None = None):
         self.averager.verify_step_if_loaded()
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         self.averager.step_and_average(self.tensors_to_average)
@@ -433,9 +470,15 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         written as the top-level ``"step"``, as torch's ``PostLocalSGDOptimizer`` does,
         so either wrapper can load the other's checkpoints.
         """
+        for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            pre_hook(self)
         state = self.optimizer.state_dict()
         state[STATE_KEY] = self.averager.state_dict()
         state["step"] = self.averager.step
+        for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
+            result = post_hook(self, state)
+            if result is not None:
+                state = result
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -445,6 +488,10 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         Every rank must then call :meth:`step`: the first one checks that all ranks
         resumed at the same count.
         """
+        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         inner = dict(state_dict)
         ours = inner.pop(STATE_KEY, None)
         torch_step = inner.pop("step", None)
@@ -454,9 +501,9 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         elif torch_step is not None:
             self.averager.load_state_dict({"step": int(torch_step)})
         else:
-            warnings.warn(
-                "Loaded state dict does not contain a step counter for the averager. Setting step counter to 0.",
-                UserWarning,
-                stacklevel=2,
+            _warn_at_caller(
+                "Loaded state dict does not contain a step counter for the averager. Setting step counter to 0."
             )
             self.averager.load_state_dict({"step": 0})
+        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            post_hook(self)
