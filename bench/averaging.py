@@ -1,0 +1,242 @@
+"""One averaging round: this library against torch's ``average_parameters`` and a bare all-reduce.
+
+Run (about 5 minutes on 2 CPU cores)::
+
+    OMP_NUM_THREADS=1 python bench/averaging.py
+
+For each world size (2 and 4 gloo ranks on CPU) and each model (GPT-like stacks of
+about 10M and 100M float32 parameters, ~150 tensors of mixed sizes), the same
+processes time, interleaved and in rotating order:
+
+* ``ours``: :meth:`hieravg_optim.HierarchicalAverager.average` at the top level (agreement
+  check + :func:`hieravg_optim.averaging.average_tensors_`), what the optimizer wrapper runs;
+* ``ours_raw``: :func:`~hieravg_optim.averaging.average_tensors_` alone;
+* ``torch``: ``torch.distributed.algorithms.model_averaging.utils.average_parameters``
+  (concatenates into a new model-sized buffer, all-reduces, rebinds ``p.data``);
+* ``floor``: ``dist.all_reduce`` of one preallocated flat float32 buffer of the model's size.
+
+Each contender has its own copy of the parameters. Time of a round = the slowest
+rank's (all ranks start at a barrier); median over ``--reps`` rounds after one warm-up.
+Peak extra memory = the largest rise of a rank's peak RSS over its RSS just before a
+round (kernel high-water mark, reset before each round), over all rounds including the
+first (where ``ours`` allocates its bucket), maximum over ranks.
+
+Sharded mode (4 ranks, 2 ranks per replica, each holding half of the model's tensors):
+``ours`` averages each shard among the 2 ranks holding it; the bytes each rank
+all-reduces, from :meth:`HierarchicalAverager.metrics`, are model / 2.
+
+Results: printed, and written to ``bench/results/averaging.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import PeakMemory, environment, median, spawn, transformer_shapes, write_json  # noqa: E402
+
+MODELS = {
+    "10M": dict(d_model=256, layers=10, vocab=8192),
+    "100M": dict(d_model=768, layers=12, vocab=16384),
+}
+
+
+def _make(shapes, rank, torch):
+    return [torch.nn.Parameter(torch.full(s, float(rank))) for s in shapes]
+
+
+def _bench_rank(rank: int, world_size: int, model_names: list[str], reps: int, bucket_mb: float, sharded: bool):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+    from hieravg_optim.averaging import BucketPool, average_tensors_
+    from hieravg_optim.config import AveragingConfig
+    from hieravg_optim.optimizer import HierarchicalAverager
+
+    group = dist.group.WORLD
+    mem = PeakMemory()
+    expected_mean = (world_size - 1) / 2
+    results = []
+    for name in model_names:
+        shapes = transformer_shapes(**MODELS[name])
+        numel = sum(int(torch.Size(s).numel()) for s in shapes)
+        largest = max(int(torch.Size(s).numel()) for s in shapes) * 4
+        ours_params = _make(shapes, rank, torch)
+        raw_params = _make(shapes, rank, torch)
+        torch_params = _make(shapes, rank, torch)
+        flat = torch.full((numel,), float(rank))
+        averager = HierarchicalAverager(AveragingConfig.create({2: world_size}, bucket_cap_mb=bucket_mb))
+        raw_pool = BucketPool()
+
+        def ours():
+            averager.average(-1, [p.detach() for p in ours_params])
+
+        def ours_raw():
+            with torch.no_grad():
+                average_tensors_(
+                    [p.detach() for p in raw_params], group, world_size,
+                    bucket_cap_bytes=int(bucket_mb * 1e6), pool=raw_pool,
+                )
+
+        def torch_avg():
+            average_parameters(iter(torch_params), group)
+
+        def floor():
+            dist.all_reduce(flat, group=group)
+
+        contenders = {"ours": ours, "ours_raw": ours_raw, "torch": torch_avg, "floor": floor}
+        times = {k: [] for k in contenders}
+        peaks = {k: 0 for k in contenders}
+        order = list(contenders)
+        for rep in range(reps + 1):  # rep 0 is the warm-up (timed for memory only)
+            rotated = order[rep % len(order):] + order[: rep % len(order)]
+            for key in rotated:
+                dist.barrier(group)
+                mem.start()
+                t0 = time.perf_counter()
+                contenders[key]()
+                elapsed = time.perf_counter() - t0
+                peaks[key] = max(peaks[key], mem.stop())
+                slowest = torch.tensor([elapsed], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+                if rep > 0:
+                    times[key].append(float(slowest))
+            if rep == 0:
+                # Correctness once: every contender holds the exact mean of the ranks.
+                for key, ps in (("ours", ours_params), ("ours_raw", raw_params), ("torch", torch_params)):
+                    for p in (ps[0], ps[len(ps) // 2], ps[-1]):
+                        assert torch.all(p == expected_mean), (key, p.flatten()[:3])
+        metrics = averager.metrics()[2]
+        results.append(
+            {
+                "model": name,
+                "world_size": world_size,
+                "numel": numel,
+                "tensors": len(shapes),
+                "model_bytes": numel * 4,
+                "largest_tensor_bytes": largest,
+                "bucket_cap_bytes": int(bucket_mb * 1e6),
+                "bucket_pool_bytes": averager.pool.nbytes,
+                "ours_payload_bytes_per_round": metrics["payload_bytes"] // metrics["rounds"],
+                "times_s": times,
+                "peak_extra_bytes": peaks,
+            }
+        )
+        del ours_params, raw_params, torch_params, flat, averager, raw_pool
+
+    sharded_result = None
+    if sharded:
+        s = 2
+        name = model_names[-1]
+        shapes = transformer_shapes(**MODELS[name])
+        # Shard index rank % s holds every s-th tensor, as a replica split over s ranks would.
+        mine = shapes[rank % s :: s]
+        shard_numel = sum(int(torch.Size(x).numel()) for x in mine)
+        params = _make(mine, rank, torch)
+        flat = torch.empty(shard_numel)
+        averager = HierarchicalAverager(
+            AveragingConfig.create({2: world_size}, ranks_per_replica=s, bucket_cap_mb=bucket_mb)
+        )
+        lg = averager.level_groups[-1]
+        times = {"ours": [], "floor": []}
+        for rep in range(reps + 1):
+            for key in ("ours", "floor") if rep % 2 else ("floor", "ours"):
+                dist.barrier(group)
+                t0 = time.perf_counter()
+                if key == "ours":
+                    averager.average(-1, [p.detach() for p in params])
+                else:
+                    dist.all_reduce(flat, group=lg.group)
+                slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+                if rep > 0:
+                    times[key].append(float(slowest))
+        m = averager.metrics()[2]
+        total = sum(int(torch.Size(x).numel()) for x in shapes) * 4
+        sharded_result = {
+            "model": name,
+            "world_size": world_size,
+            "ranks_per_replica": s,
+            "subgroup_ranks": list(lg.ranks),
+            "model_bytes": total,
+            "shard_bytes": shard_numel * 4,
+            "payload_bytes_per_round": m["payload_bytes"] // m["rounds"],
+            "bytes_sent_per_round": m["bytes_sent"] // m["rounds"],
+            "times_s": times,
+        }
+    return {"results": results, "sharded": sharded_result, "memory_method": mem.method}
+
+
+def _fmt_mb(b: float) -> str:
+    return f"{b / 1e6:8.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-sizes", default="2,4")
+    parser.add_argument("--models", default="10M,100M", help=f"comma-separated, from {sorted(MODELS)}")
+    parser.add_argument("--reps", type=int, default=7, help="timed rounds per contender (median reported), >= 5")
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--out", default="averaging.json", help="file name under bench/results/")
+    args = parser.parse_args()
+    models = args.models.split(",")
+    env = environment()
+    rows, sharded = [], []
+    memory_method = None
+    for ws in (int(x) for x in args.world_sizes.split(",")):
+        per_rank = spawn(_bench_rank, ws, models, args.reps, args.bucket_mb, ws >= 4)
+        memory_method = per_rank[0]["memory_method"]
+        for i, r in enumerate(per_rank[0]["results"]):
+            r = dict(r)
+            r["peak_extra_bytes"] = {k: max(pr["results"][i]["peak_extra_bytes"][k] for pr in per_rank) for k in r["peak_extra_bytes"]}
+            med = {k: median(v) for k, v in r["times_s"].items()}
+            r["median_s"] = med
+            r["ratio_ours_floor"] = med["ours"] / med["floor"]
+            r["ratio_ours_raw_floor"] = med["ours_raw"] / med["floor"]
+            r["ratio_ours_torch"] = med["ours"] / med["torch"]
+            r["ours_memory_target_bytes"] = r["bucket_cap_bytes"] + r["largest_tensor_bytes"]
+            rows.append(r)
+        if per_rank[0]["sharded"]:
+            s = dict(per_rank[0]["sharded"])
+            s["median_s"] = {k: median(v) for k, v in s["times_s"].items()}
+            s["ratio_ours_floor"] = s["median_s"]["ours"] / s["median_s"]["floor"]
+            s["payload_bytes_per_round_by_rank"] = [pr["sharded"]["payload_bytes_per_round"] for pr in per_rank]
+            sharded.append(s)
+
+    print(f"\nAveraging round, gloo on CPU, float32, bucket {args.bucket_mb} MB; median of {args.reps} "
+          f"(slowest rank per round); load average at start {env['load_average_1_5_15']}")
+    hdr = (f"{'model':>5} {'ranks':>5} | {'ours s':>8} {'raw s':>8} {'torch s':>8} {'floor s':>8} | "
+           f"{'ours/floor':>10} {'ours/torch':>10} | {'MB: ours':>8} {'torch':>8} {'floor':>8} {'target':>8} {'model':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        m, p = r["median_s"], r["peak_extra_bytes"]
+        print(
+            f"{r['model']:>5} {r['world_size']:>5} | {m['ours']:8.3f} {m['ours_raw']:8.3f} {m['torch']:8.3f} "
+            f"{m['floor']:8.3f} | {r['ratio_ours_floor']:10.2f} {r['ratio_ours_torch']:10.2f} | "
+            f"{_fmt_mb(p['ours'])} {_fmt_mb(p['torch'])} {_fmt_mb(p['floor'])} "
+            f"{_fmt_mb(r['ours_memory_target_bytes'])} {_fmt_mb(r['model_bytes'])}"
+        )
+    print("targets: ours/floor <= 1.2, ours/torch <= 0.7, ours peak extra <= bucket + largest tensor")
+    for s in sharded:
+        print(
+            f"sharded: {s['model']} on {s['world_size']} ranks, {s['ranks_per_replica']} ranks per replica: "
+            f"each rank all-reduces {s['payload_bytes_per_round_by_rank']} bytes per round "
+            f"(model {s['model_bytes']} bytes / {s['ranks_per_replica']}); ours {s['median_s']['ours']:.3f} s, "
+            f"floor {s['median_s']['floor']:.3f} s (ours/floor {s['ratio_ours_floor']:.2f})"
+        )
+    path = write_json(
+        args.out,
+        {"environment": env, "bucket_mb": args.bucket_mb, "reps": args.reps, "memory_method": memory_method,
+         "rows": rows, "sharded": sharded},
+    )
+    print(f"written: {path}")
+
+
+if __name__ == "__main__":
+    main()
