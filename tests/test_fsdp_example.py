@@ -1,0 +1,76 @@
+"""examples/train_digits_fsdp.py under torchrun: 2 replicas x 2 shards, FSDP1 and FSDP2.
+
+``torchrun --standalone`` picks its rendezvous port at run time (no fixed port). Each
+run costs 20-30 s on a loaded 2-core machine, mostly starting 4 Python processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import default_timeout
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_digits_fsdp.py"
+KEYS = {"world_size", "period_group_size", "final_loss", "test_accuracy", "rounds_per_level", "replicas_identical"}
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _torchrun(nproc: int, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(EXAMPLE)]
+    cmd += list(args)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    limit = default_timeout(timeout)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish within {limit:.0f} s (hang?).\n{out[-3000:]}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _run_ok(tmp_path: Path, name: str, *args: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    result = _torchrun(4, *args, "--metrics-out", str(out))
+    if result.returncode != 0:
+        pytest.fail(f"{' '.join(result.args)} exited with {result.returncode}.\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    metrics = json.loads(out.read_text())
+    assert KEYS <= metrics.keys(), sorted(KEYS - metrics.keys())
+    assert "test accuracy" in result.stdout
+    return metrics
+
+
+def test_fsdp1_and_fsdp2_reach_the_accuracy_target_with_the_same_trajectory(tmp_path):
+    fsdp2 = _run_ok(tmp_path, "fsdp2", "--fsdp-version", "2")
+    fsdp1 = _run_ok(tmp_path, "fsdp1", "--fsdp-version", "1", "--use-orig-params")
+    for m in (fsdp1, fsdp2):
+        assert m["world_size"] == 4 and m["replicas"] == 2 and m["shards_per_replica"] == 2
+        assert m["period_group_size"] == {"8": 4}
+        assert m["test_accuracy"] >= 0.93, m["test_accuracy"]
+        assert m["replicas_identical"] is True
+        # Averaging at counts 0, 8, 16, ... below the number of steps.
+        assert m["rounds_per_level"] == m["expected_rounds_per_level"] == {"8": math.ceil(m["steps"] / 8)}
+        assert m["final_loss"] < m["loss_curve"][0]
+    # FSDP1 and FSDP2 shard differently but compute the same replica: the same losses, up to rounding.
+    for a, b in zip(fsdp1["loss_curve"], fsdp2["loss_curve"]):
+        assert math.isclose(a, b, rel_tol=1e-4), (fsdp1["loss_curve"], fsdp2["loss_curve"])
+
+
+def test_bad_group_size_fails_clearly():
+    result = _torchrun(2, "--shards-per-replica", "2", "--period-group-size", "4:1,8:2", timeout=120)
+    assert result.returncode != 0
+    assert "multiple of ranks_per_replica=2" in result.stderr, result.stderr[-3000:]
