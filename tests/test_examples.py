@@ -53,7 +53,10 @@ def torchrun(nproc: int, script: Path | str, *args: str, timeout: float = 240.0)
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
         str(script), *args,
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", PYTHONUNBUFFERED="1")
+    # No PYTHONUNBUFFERED: unbuffered, print() writes the text and the newline in two calls, and the
+    # lines of 4 ranks sharing one pipe interleave.
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    env.pop("PYTHONUNBUFFERED", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     limit = default_timeout(timeout)
     proc = subprocess.Popen(
@@ -171,9 +174,11 @@ def test_readme_quickstart_runs(tmp_path, name):
     script.write_text(readme_block(name))
     result = torchrun(4, script)
     check_ok(result)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
-    assert len(lines) == 4, result.stdout
-    expected = readme_block(f"{name}_output").strip().splitlines()[0]  # rank 0's line, as shown in the README
-    expected_rounds = expected[expected.index("rounds") :]
-    for line in lines:
-        assert line.endswith(expected_rounds), f"{line!r} does not end with {expected_rounds!r}"
+    shown = readme_block(f"{name}_output").strip()  # rank 0's line, as shown in the README
+    pattern = r"rank (\d+): loss [0-9.]+, averaging rounds per period (\{[^}]*\})"
+    shown_match = re.fullmatch(pattern, shown)
+    assert shown_match, f"the README's output {shown!r} does not match {pattern!r}"
+    printed = dict(re.findall(pattern, result.stdout))
+    assert sorted(printed) == ["0", "1", "2", "3"], result.stdout
+    for rank, rounds in printed.items():
+        assert rounds == shown_match.group(2), f"rank {rank} printed rounds {rounds}, the README shows {shown!r}"
