@@ -43,7 +43,9 @@ ACCURACY_ATOL = 1.5 / 450  # at most one of the 450 test images classified diffe
 pytestmark = pytest.mark.timeout(600)
 
 
-def torchrun(nproc: int, script: Path | str, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, script: Path | str, *args: str, timeout: float = 240.0, progress_bar: bool = False
+) -> subprocess.CompletedProcess:
     """Run ``torchrun --standalone --nproc_per_node nproc script args`` and return its completed process.
 
     On a timeout the launcher and every rank are killed (they share a new session)
@@ -55,8 +57,12 @@ def torchrun(nproc: int, script: Path | str, *args: str, timeout: float = 240.0)
     ]  # fmt: skip
     # No PYTHONUNBUFFERED: unbuffered, print() writes the text and the newline in two calls, and the
     # lines of 4 ranks sharing one pipe interleave.
-    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONUNBUFFERED", None)
+    if progress_bar:
+        env.pop("TQDM_DISABLE", None)
+    else:
+        env["TQDM_DISABLE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     limit = default_timeout(timeout)
     proc = subprocess.Popen(
@@ -121,7 +127,7 @@ def compare_golden(metrics: dict) -> None:
 def test_train_digits_4_ranks_two_levels(tmp_path):
     """The README's main job: 4 ranks, default hierarchy 4:2,16:4, accuracy target, exact rounds, golden run."""
     out = tmp_path / "digits.json"
-    result = torchrun(4, EXAMPLE, "--metrics-out", str(out))
+    result = torchrun(4, EXAMPLE, "--metrics-out", str(out), progress_bar=True)
     check_ok(result)
     metrics = json.loads(out.read_text())
     assert metrics["world_size"] == 4
@@ -132,7 +138,8 @@ def test_train_digits_4_ranks_two_levels(tmp_path):
     assert metrics["rounds_per_level"] == metrics["expected_rounds_per_level"]
     assert metrics["replicas_identical"] is True
     assert 0 < metrics["final_loss"] < metrics["loss_curve"][0]
-    assert "test accuracy" in result.stdout
+    assert result.stdout.count("test accuracy") == 1, result.stdout  # printed by rank 0 only
+    assert "digits: 100%" in result.stderr and "200/200" in result.stderr  # rank 0's progress bar
     compare_golden(metrics)
 
 
