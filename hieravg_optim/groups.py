@@ -13,8 +13,11 @@ Under ``torchrun`` and the ``deepspeed`` launcher, consecutive ranks share a nod
 so blocks of ``LOCAL_WORLD_SIZE`` ranks are node-aligned. With ``s = 1`` this is
 exactly the layout of ``torch.distributed.new_subgroups(group_size=G)``.
 
-Every rank of the default process group must build the groups (as for
-``torch.distributed.new_group``), creating the same groups in the same order.
+Every rank of ``P`` builds the groups, creating the same groups in the same order.
+When ``P`` is the default group this is :func:`torch.distributed.new_group`'s usual
+requirement; when ``P`` is smaller (a data-parallel group beside model-parallel ranks,
+or disjoint groups each with its own hierarchy), the ranks outside ``P`` take no part:
+each rank creates only its own subgroups, with ``use_local_synchronization=True``.
 """
 
 from __future__ import annotations
@@ -65,8 +68,11 @@ def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup
     """Create the averaging subgroups of every level, once.
 
     .. warning::
-        Collective over the default process group: every rank of it must call this,
-        with the same ``config``, because :func:`torch.distributed.new_group` is.
+        Collective: when ``process_group`` is the default group, every rank of it must
+        call this with the same ``config``, because :func:`torch.distributed.new_group` is.
+        For a smaller ``process_group``, only its ranks call this (each creates its own
+        subgroups with ``use_local_synchronization=True``); disjoint process groups, each
+        with its own hierarchy, work too.
 
     Args:
         config: A config already checked with :meth:`AveragingConfig.check_world_size`.
@@ -79,6 +85,10 @@ def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup
     global_ranks = dist.get_process_group_ranks(pg)
     world_size = len(global_ranks)
     my_rank = dist.get_rank()
+    # A process group smaller than the default group (a data-parallel group beside model-parallel
+    # ranks, or disjoint groups each with its own hierarchy): the other ranks of the default group do
+    # not take part, so every rank creates only its own subgroups, synchronizing with their members.
+    local_sync = world_size != dist.get_world_size()
     cache: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
     result = []
     for level in config.levels:
@@ -90,8 +100,10 @@ def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup
                     cache[ranks] = None
                 elif len(ranks) == world_size:
                     cache[ranks] = pg
-                else:
+                elif not local_sync:
                     cache[ranks] = dist.new_group(list(ranks))
+                elif my_rank in ranks:
+                    cache[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
             if my_rank in ranks:
                 mine = ranks
         assert mine is not None, f"rank {my_rank} is in no subgroup of level {level}"

@@ -408,6 +408,24 @@ def _scenario_buffers(rank: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
+def _scenario_process_group_halves(rank: int) -> dict:
+    """process_group: two disjoint halves of 4 ranks, each with its own hierarchy {2: 2, 4: 4}."""
+    from hieravg_optim import AveragingConfig, HierarchicalAverager
+
+    halves = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]
+    mine = halves[rank // 4]
+    averager = HierarchicalAverager(AveragingConfig.create({2: 2, 4: 4}), process_group=mine)
+    seen = []
+    for level, group_size in ((0, 2), (1, 4), (0, 2)):
+        t = torch.full((3,), float(rank * rank))
+        averager.average(level, [t])
+        expected = sum(r * r for r in _subgroup(rank, group_size)) / group_size
+        assert torch.equal(t, torch.full((3,), expected)), (level, t, expected)
+        seen.append(expected)
+    return {"means": seen}
+
+
+# --------------------------------------------------------------------------------------------------
 SCENARIOS = {
     "rank_exact": _scenario_rank_exact,
     "torch_parity": _scenario_torch_parity,
@@ -418,6 +436,7 @@ SCENARIOS = {
     "disagreement": _scenario_disagreement,
     "sharded": _scenario_sharded,
     "buffers": _scenario_buffers,
+    "process_group_halves": _scenario_process_group_halves,
 }
 
 
@@ -503,3 +522,11 @@ def test_sharded_hand_made_shards(results):
 def test_buffers_averaged_on_schedule(results):
     for r in results:
         assert r["buffers"]["running_mean_spread_after_top"] < 1e-6
+
+
+def test_disjoint_process_groups_each_with_a_hierarchy(results):
+    for rank, r in enumerate(results):
+        half = range(4 * (rank // 4), 4 * (rank // 4) + 4)
+        pair = range(2 * (rank // 2), 2 * (rank // 2) + 2)
+        pair_mean = sum(x * x for x in pair) / 2
+        assert r["process_group_halves"]["means"] == [pair_mean, sum(x * x for x in half) / 4, pair_mean]
