@@ -84,9 +84,9 @@ class HierarchicalAverager:
     :func:`hieravg_optim.averaging.average_tensors_`, in place and bucketed.
 
     .. warning::
-        The constructor is collective over the default process group: every rank
-        must call it with the same config, because it creates the subgroups with
-        :func:`torch.distributed.new_group`. :meth:`step` is collective over the
+        The constructor is collective over ``process_group`` (by default the
+        default group): every rank of it must call it with the same config, because
+        it creates the subgroups with :func:`torch.distributed.new_group`. :meth:`step` is collective over the
         subgroup that averages at that step.
 
     Args:
@@ -281,7 +281,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     is not averaged, as in torch.
 
     .. warning::
-        The constructor is collective over the default process group (it creates the
+        The constructor is collective over ``process_group`` (it creates the
         subgroups). :meth:`step` is collective over the averaging subgroup when
         averaging is due: every rank must call it the same number of times.
 
