@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -130,12 +131,14 @@ def main(argv: list[str] | None = None) -> None:
     # one clear message (from rank 0) instead of a traceback per rank.
     levels = args.period_group_size or parse_period_group_size(default_period_group_size(world_size))
     try:
-        config = AveragingConfig.create(levels, warmup_steps=args.warmup_steps)
-        config.check_world_size(world_size)
+        with warnings.catch_warnings():  # the wrapper warns (once per rank) about legal but odd settings
+            warnings.simplefilter("ignore")
+            AveragingConfig.create(levels, warmup_steps=args.warmup_steps).check_world_size(world_size)
     except ValueError as e:
         parser.error(f"--period-group-size {_format_levels(levels)} with {world_size} ranks: {e}")
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
     dist.init_process_group("gloo")
     try:
         metrics = train(args, levels, rank, world_size)
