@@ -323,6 +323,14 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             ranks_per_replica=shards,
             bucket_cap_mb=bucket_cap_mb,
         )
+        if dist.get_rank() == 0:
+            logger.info(
+                "FSDP%d hierarchical averaging: %d replicas x %d shards, %d optimizer parameters",
+                self._fsdp_version,
+                self.averager.world_size // shards,
+                shards,
+                sum(1 for _ in _optimizer_params(optimizer)),
+            )
 
     @property
     def fsdp_version(self) -> int:
@@ -348,8 +356,10 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             return super().tensors_to_average()
         out = []
         for flat in self._flat_params:
+            # Before FSDP's lazy initialisation (first forward) there is no _local_shard yet: the flat
+            # parameter then is the local shard itself.
             local = getattr(flat, "_local_shard", None)
-            if local is None or flat.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
+            if local is not None and flat.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
                 raise RuntimeError(
                     "An FSDP flat parameter is not in its sharded state: call step() after backward(), outside "
                     "forward and summon_full_params(), so that the local fp32 shards are averaged."
@@ -432,10 +442,16 @@ def _validate_module(
                 "gradients are not reduced within the replica. fully_shard the module owning it over mesh['shard']."
             )
         dmesh = p.device_mesh
-        if dmesh.ndim != 1 or any(isinstance(pl, Replicate) for pl in p.placements):
+        if any(isinstance(pl, Replicate) for pl in p.placements):
             raise ValueError(
                 f"A DTensor parameter of shape {tuple(p.shape)} has placements {tuple(p.placements)} on a "
                 f"{dmesh.ndim}-D mesh {dmesh.mesh.tolist()}: fully_shard with a 2-D mesh is HSDP. {_HSDP_FIX}"
+            )
+        if dmesh.ndim != 1:
+            raise NotImplementedError(
+                f"A DTensor parameter of shape {tuple(p.shape)} lives on a {dmesh.ndim}-D mesh with placements "
+                f"{tuple(p.placements)} (FSDP combined with tensor parallelism?): only FSDP2 over mesh['shard'] is "
+                "supported; average such models with HierarchicalAverager on the local shards yourself."
             )
         p_ranks = [int(r) for r in dmesh.mesh.flatten().tolist()]
         if p_ranks != row:

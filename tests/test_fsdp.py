@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(600)
 
 WORLD = 4
 SHARDS = 2
-CONFIGS = ["fsdp1", "fsdp1_orig", "fsdp1_orig_wrap_bf16", "fsdp2", "fsdp2_wrap_bf16"]
+CONFIGS = ["fsdp1", "fsdp1_orig", "fsdp1_orig_wrap_bf16", "fsdp1_shard_grad_op", "fsdp2", "fsdp2_wrap_bf16", "fsdp2_keep"]
 LEVELS = {3: 4}  # every 3 steps, both replicas (4 ranks) average; group size 2 would be one replica alone
 
 
@@ -31,7 +31,7 @@ def _tiny(seed: int = 0) -> nn.Module:
 
 
 def _shard(config: str, mesh, seed: int = 0) -> nn.Module:
-    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from hieravg_optim.fsdp import shard_replica
@@ -50,8 +50,12 @@ def _shard(config: str, mesh, seed: int = 0) -> nn.Module:
             auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
             mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
         )
+    if config == "fsdp1_shard_grad_op":
+        return shard_replica(model, mesh, fsdp_version=1, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
     if config == "fsdp2":
         return shard_replica(model, mesh, fsdp_version=2)
+    if config == "fsdp2_keep":  # unsharded parameters kept between forward and backward
+        return shard_replica(model, mesh, fsdp_version=2, reshard_after_forward=False)
     if config == "fsdp2_wrap_bf16":
         linears = [m for m in model if isinstance(m, nn.Linear)]
         return shard_replica(
@@ -247,6 +251,12 @@ def _contrast_and_misuse(rank: int, world_size: int) -> dict:
             torch.optim.AdamW([*good.parameters(), extra]), good, mesh, LEVELS
         )
     )
+    # Averaging while FSDP1's flat parameters are unsharded would average the wrong tensors.
+    fsdp1 = _shard("fsdp1", mesh)
+    fsdp1_opt = FSDPHierarchicalAveragingOptimizer(adam(fsdp1), fsdp1, mesh, LEVELS)
+    with FSDP.summon_full_params(fsdp1):
+        out["inside_summon"] = error_of(fsdp1_opt.tensors_to_average)
+    out["outside_summon"] = error_of(fsdp1_opt.tensors_to_average)
     # Nothing hangs: every rank is still in step.
     dist.barrier()
     return out
@@ -274,6 +284,9 @@ def test_torch_averager_loses_the_average_and_misuse_is_rejected():
         assert kind == "ValueError" and "multiple of ranks_per_replica=2" in msg, msg
         kind, msg = out["unmanaged_param"]
         assert kind == "ValueError" and "plain tensor" in msg, msg
+        kind, msg = out["inside_summon"]
+        assert kind == "RuntimeError" and "summon_full_params" in msg, msg
+        assert out["outside_summon"] is None
 
 
 # -- resume through torch.distributed.checkpoint ---------------------------------------------------------------------
