@@ -116,6 +116,11 @@ class HierarchicalAverager:
             )
         self.config = config
         self.process_group = process_group if process_group is not None else dist.group.WORLD
+        if dist.get_rank(self.process_group) < 0:
+            raise ValueError(
+                f"Rank {dist.get_rank()} is not a member of the given process_group: create the averager "
+                "only on the ranks of process_group (each rank passes the group it belongs to)."
+            )
         self.world_size = dist.get_world_size(self.process_group)
         config.check_world_size(self.world_size)
         self._check_same_across_ranks("the averaging config", asdict(config))

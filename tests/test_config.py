@@ -16,9 +16,9 @@ import pytest
 
 from hieravg_optim import AveragingConfig, AveragingLevel
 from hieravg_optim.config import parse_levels
-from tests.harness import run_distributed
+from tests.harness import default_timeout, run_distributed
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(default_timeout(180))  # scaled like the harness's deadline
 
 # (kwargs for AveragingConfig.create, world size for check_world_size, regex the message must match)
 INVALID = [

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.harness import run_distributed
+from tests.harness import default_timeout, run_distributed
 
 WORLD = 8
-pytestmark = pytest.mark.timeout(420)
+pytestmark = pytest.mark.timeout(default_timeout(420))  # scaled like the harness's deadline
 
 
 # --------------------------------------------------------------------------------------------------
@@ -414,6 +414,12 @@ def _scenario_process_group_halves(rank: int) -> dict:
 
     halves = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]
     mine = halves[rank // 4]
+    try:  # the other half's group: a clear error, before any collective
+        HierarchicalAverager(AveragingConfig.create({4: 4}), process_group=halves[1 - rank // 4])
+    except ValueError as e:
+        assert f"Rank {rank} is not a member of the given process_group" in str(e), e
+    else:
+        raise AssertionError("no ValueError for a process_group this rank is not in")
     averager = HierarchicalAverager(AveragingConfig.create({2: 2, 4: 4}), process_group=mine)
     seen = []
     for level, group_size in ((0, 2), (1, 4), (0, 2)):

@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.harness import run_distributed
+from tests.harness import default_timeout, run_distributed
 
 WORLD = 4
 LEVELS = {2: 2, 4: 4}
 WARMUP = 2
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(default_timeout(300))  # scaled like the harness's deadline
 
 
 def _net() -> nn.Module:
