@@ -12,7 +12,9 @@ dtype, shape, strides and storage are kept, and views stay views.
 Memory: one reusable bucket per (device, accumulation dtype), of at most
 ``bucket_cap_mb`` MB, plus, for a non-contiguous tensor, one temporary contiguous
 copy of that tensor. Contiguous tensors of the accumulation dtype at least as large
-as a bucket are all-reduced in place, with no copy.
+as a bucket (on CPU: at least 4 MiB, where copying costs about as much as sending)
+are all-reduced in place, with no copy. A bucket is packed with one ``torch.cat`` and
+unpacked with the division by the group size fused into the copy back.
 
 Accumulation dtype: float16 and bfloat16 tensors are summed in float32 buckets
 (twice the traffic of those tensors, but no overflow and no loss of the low bits
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,10 @@ import torch.distributed as dist
 __all__ = ["BucketPool", "accumulation_dtype", "average_tensors_", "check_agreement", "tensor_signature"]
 
 _HALF = (torch.float16, torch.bfloat16)
+
+_DIRECT_MIN_BYTES_CPU = 4 << 20
+"""On CPU, tensors of the accumulation dtype of at least this many bytes are all-reduced in place
+(no copy into a bucket); measured with ``bench/averaging.py`` (gloo, 2 and 4 ranks)."""
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,18 +74,24 @@ class BucketPool:
         self._buffers.clear()
 
 
-@dataclass(slots=True)
-class _Pending:
-    target: torch.Tensor  # 1-D view into the tensor's own storage
-    offset: int
+def _flush(bucket: torch.Tensor, used: int, pending: list[torch.Tensor], group: dist.ProcessGroup, size: int) -> None:
+    """All-reduce ``pending`` (1-D views into the tensors' own storage) through ``bucket[:used]``.
 
-
-def _flush(bucket: torch.Tensor, used: int, pending: list[_Pending], group: dist.ProcessGroup, size: int) -> None:
+    One ``torch.cat`` packs them (one kernel, not one copy per piece), and the division by
+    the group size is fused with the copy back (``torch.div(..., out=piece)``): two passes
+    over the bucket besides the all-reduce.
+    """
     view = bucket[:used]
+    if len(pending) == 1:
+        view.copy_(pending[0])
+    else:
+        torch.cat(pending, out=view)
     dist.all_reduce(view, op=dist.ReduceOp.SUM, group=group)
-    view.div_(size)
-    for p in pending:
-        p.target.copy_(view[p.offset : p.offset + p.target.numel()])
+    offset = 0
+    for piece in pending:
+        n = piece.numel()
+        torch.div(view[offset : offset + n], size, out=piece)
+        offset += n
     pending.clear()
 
 
@@ -124,13 +135,17 @@ def average_tensors_(
     for (device, acc), group_tensors in by_key.items():
         itemsize = torch.empty((), dtype=acc).element_size()
         cap = max(1, bucket_cap_bytes // itemsize)
+        # On CPU a copy through the bucket costs about as much as sending the bytes, so tensors
+        # from _DIRECT_MIN_BYTES_CPU on are reduced in place; elsewhere (GPU) copies are cheap
+        # and fewer, larger collectives win, so only tensors of a whole bucket are.
+        direct = min(cap, max(1, _DIRECT_MIN_BYTES_CPU // itemsize)) if device.type == "cpu" else cap
         packed: list[torch.Tensor] = []
         for t in group_tensors:
             payload += t.numel() * itemsize
             # Whether a tensor is reduced on its own or packed depends only on its dtype and size,
             # which the ranks agreed on (check_agreement), never on its strides: every rank issues the
             # same collectives even where one holds a transposed view and another a contiguous tensor.
-            if t.dtype == acc and t.numel() >= cap:
+            if t.dtype == acc and t.numel() >= direct:
                 if t.is_contiguous():
                     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
                     t.div_(group_size)
@@ -149,7 +164,7 @@ def average_tensors_(
         bucket = pool.get(device, acc, min(cap, total))
         cap_here = bucket.numel()
         used = 0
-        pending: list[_Pending] = []
+        pending: list[torch.Tensor] = []
         # Non-contiguous tensors are packed from one temporary contiguous copy each (in their own
         # dtype), copied back once their last piece has been reduced.
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -160,9 +175,7 @@ def average_tensors_(
             n = flat.numel()
             while start < n:
                 take = min(n - start, cap_here - used)
-                piece = flat[start : start + take]
-                bucket[used : used + take].copy_(piece)
-                pending.append(_Pending(piece, used))
+                pending.append(flat[start : start + take] if take < n else flat)
                 used += take
                 start += take
                 if used == cap_here:
