@@ -229,6 +229,18 @@ def _scenario_dtypes_layouts(rank: int) -> dict:
             for buf in averager.pool._buffers.values():
                 assert buf.numel() * buf.element_size() <= max(cap_bytes, buf.element_size()), buf.numel()
         results[cap_mb] = averager.pool.nbytes
+    # Arbitrary (non-dyadic) values, averaged in pairs (a sum of two is the same in any order):
+    # every bucket size gives bit-identical results.
+    outcomes = []
+    for cap_mb in (25.0, 1e-5, 2e-4):
+        averager = HierarchicalAverager(AveragingConfig.create({2: 2, 4: 8}, bucket_cap_mb=cap_mb))
+        gen = torch.Generator().manual_seed(rank)
+        tensors = [(torch.randn(t.shape, generator=gen) * 3).to(t.dtype) for t in _layout_tensors(rank)]
+        tensors[2] = tensors[2].t().contiguous().t()  # non-contiguous too
+        averager.average(0, tensors)
+        outcomes.append(tensors)
+    for other in outcomes[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outcomes[0], other))
     return {"pool_bytes": results}
 
 
