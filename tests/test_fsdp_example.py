@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,14 +26,16 @@ KEYS = {"world_size", "period_group_size", "final_loss", "test_accuracy", "round
 pytestmark = pytest.mark.timeout(600)
 
 
-def _torchrun(nproc: int, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(EXAMPLE)]
+def _torchrun(
+    nproc: int, *args: str, script: Path = EXAMPLE, cwd: Path = ROOT, timeout: float = 240.0
+) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(script)]
     cmd += list(args)
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     limit = default_timeout(timeout)
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
         out, err = proc.communicate(timeout=limit)
@@ -74,3 +77,28 @@ def test_bad_group_size_fails_clearly():
     result = _torchrun(2, "--shards-per-replica", "2", "--period-group-size", "4:1,8:2", timeout=120)
     assert result.returncode != 0
     assert "multiple of ranks_per_replica=2" in result.stderr, result.stderr[-3000:]
+
+
+def _readme_block(name: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(rf"<!-- test:{re.escape(name)} -->\s*```[a-z]*\n(.*?)```", text, re.S)
+    assert match, f"README.md has no fenced code block after <!-- test:{name} -->"
+    return match.group(1)
+
+
+def test_readme_fsdp_quickstart_runs_and_checkpoints(tmp_path):
+    """The README's FSDP quickstart, pasted into a file and launched on 4 ranks in an empty folder."""
+    script = tmp_path / "fsdp_quickstart.py"
+    script.write_text(_readme_block("fsdp_quickstart"))
+    result = _torchrun(4, script=script, cwd=tmp_path)
+    if result.returncode != 0:
+        pytest.fail(f"the quickstart exited with {result.returncode}.\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    lines = dict(re.findall(r"^rank (\d): (loss [0-9.]+, averaging rounds per period \{.*\})$", result.stdout, re.M))
+    assert sorted(lines) == ["0", "1", "2", "3"], result.stdout
+    # The README shows rank 0's actual line; the loss up to another CPU kernel path's rounding.
+    shown = re.fullmatch(r"rank 0: loss ([0-9.]+)(, averaging .*)", _readme_block("fsdp_quickstart_output").strip())
+    actual = re.fullmatch(r"loss ([0-9.]+)(, averaging .*)", lines["0"])
+    assert shown and actual and shown.group(2) == actual.group(2), (shown, lines["0"])
+    assert math.isclose(float(shown.group(1)), float(actual.group(1)), rel_tol=1e-3), (shown.group(0), lines["0"])
+    assert all(line.endswith("{8: 4}") for line in lines.values())  # counts 0, 8, 16, 24 of 32 steps
+    assert sorted(os.listdir(tmp_path / "checkpoints" / "fsdp")) == ["replica_0", "replica_1"]
