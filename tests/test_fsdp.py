@@ -216,6 +216,11 @@ def _contrast_and_misuse(rank: int, world_size: int) -> dict:
             return type(exc).__name__, str(exc)
         return None
 
+    # On FSDP2 it fails: it flattens the DTensor parameters, which are unevenly sharded.
+    fsdp2 = _shard("fsdp2", mesh)
+    _train_step(fsdp2, torch.optim.AdamW(fsdp2.parameters(), lr=0.05), rank, 0)
+    out["torch_fsdp2"] = error_of(lambda: average_parameters(iter(fsdp2.parameters()), mesh["replicate"].get_group()))
+
     def adam(m):
         return torch.optim.AdamW(m.parameters(), lr=0.01)
 
@@ -266,6 +271,8 @@ def test_torch_averager_loses_the_average_and_misuse_is_rejected():
     results = run_distributed(_contrast_and_misuse, WORLD, timeout=240)
     for rank, out in enumerate(results):
         assert out["torch_rebound"] and out["torch_lost"], f"rank {rank}: torch's averager kept the average?"
+        kind, msg = out["torch_fsdp2"]
+        assert kind == "RuntimeError" and "unevenly sharded" in msg, msg
         kind, msg = out["fsdp1_hybrid"]
         assert kind == "ValueError" and "HYBRID_SHARD" in msg and "mesh['shard']" in msg, msg
         kind, msg = out["shard_replica_hybrid"]
