@@ -469,12 +469,14 @@ def _install_hooks(engine: Any, state: DeepSpeedAveraging) -> None:
         state.after_engine_step()
         return out
 
-    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         folder = replica_checkpoint_dir(save_dir, state.replica_index)
         os.makedirs(folder, exist_ok=True)
         client = dict(client_state or {})
         client[CHECKPOINT_KEY] = state.state_dict()
-        out = original_save(folder, tag=tag, client_state=client, save_latest=save_latest, **kwargs)
+        out = original_save(
+            folder, tag=tag, client_state=client, save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters
+        )
         if save_latest and state.replica_index > 0 and state.mpu.get_data_parallel_rank() == 0:
             # DeepSpeed writes "latest" on global rank 0 only, i.e. for replica 0.
             saved_tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
@@ -546,6 +548,31 @@ def _check_batch_size(ds_config: Mapping[str, Any], dp_size: int) -> None:
         )
 
 
+def _shard_over_world(engine: Any, dataloader: Any, training_data: Any, collate_fn: Callable | None) -> Any:
+    """Rebuild DeepSpeed's training data loader so that every rank, not every replica rank, gets its own shard.
+
+    DeepSpeed shards ``training_data`` over its data-parallel group, which is one replica: the
+    replicas would then all see the same samples. With the default ``DistributedSampler`` the
+    loader is rebuilt with ``num_replicas`` = world size and ``rank`` = global rank.
+    """
+    if dataloader is None or training_data is None:
+        return dataloader
+    sampler = getattr(dataloader, "data_sampler", None)
+    if type(sampler) is not torch.utils.data.DistributedSampler:
+        warnings.warn(
+            f"DeepSpeed's training data loader uses a {type(sampler).__name__}, sharded over one replica only: "
+            "every replica sees the same samples. Shard the data over all ranks yourself.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return dataloader
+    world_sampler = torch.utils.data.DistributedSampler(
+        training_data, num_replicas=dist.get_world_size(), rank=dist.get_rank()
+    )
+    engine.training_dataloader = engine.deepspeed_io(training_data, data_sampler=world_sampler, collate_fn=collate_fn)
+    return engine.training_dataloader
+
+
 def initialize(
     args: Any = None,
     model: torch.nn.Module | None = None,
@@ -586,7 +613,8 @@ def initialize(
 
     With it, the engine also gets ``engine.hierarchical_averaging`` (a :class:`DeepSpeedAveraging`),
     counts one averaging step per engine optimizer step (gradient-accumulation boundary,
-    overflow-skipped steps included), starts every replica from replica 0's weights, and its
+    overflow-skipped steps included), starts every replica from replica 0's weights, shards
+    ``training_data`` over all ranks (DeepSpeed alone would shard it over one replica), and its
     ``save_checkpoint`` / ``load_checkpoint`` keep each replica's state in
     ``<dir>/replica_<k>/`` with the averaging step count in the client state.
 
@@ -657,6 +685,11 @@ def initialize(
                 "the model was built under deepspeed.zero.Init, which partitions it over the whole world before "
                 "the replicas exist. Build it without zero.Init (ZeRO-3 still partitions it within each replica)."
             )
+        if optimizer is None and "optimizer" not in ds_config:
+            raise ValueError(
+                "hierarchical averaging needs an optimizer to average after: pass optimizer=..., or give the "
+                'config an "optimizer" section.'
+            )
         rpr = _resolve_ranks_per_replica(settings)
         averaging_config = settings.averaging_config(rpr)
         _check_batch_size(ds_config, rpr)
@@ -698,11 +731,8 @@ def initialize(
         )
     replica_mpu = ReplicaParallelUnit(rpr)
     engine, ds_optimizer, dataloader, scheduler = _build({"mpu": replica_mpu})
-    if engine.optimizer is None:
-        raise ValueError(
-            "hierarchical averaging needs an optimizer: pass optimizer=..., or give the config an "
-            '"optimizer" section.'
-        )
+    assert engine.optimizer is not None, "DeepSpeed built no optimizer although one was given"
+    dataloader = _shard_over_world(engine, dataloader, training_data, collate_fn)
     state = DeepSpeedAveraging(engine, averaging_config, replica_mpu)
     state.broadcast_from_first_replica()
     _install_hooks(engine, state)

@@ -330,6 +330,22 @@ def _checkpoint_case(rank, name, stage, prec, folder):
     }
 
 
+def _dataloader_case(rank):
+    """DeepSpeed's loader for training_data gives every rank its own samples (not every replica the same)."""
+    import torch
+
+    import hieravg_optim.deepspeed as hds
+
+    section = {"period_group_size": {"2": WORLD}, "ranks_per_replica": S}
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8))
+    model = _model()
+    engine, _, loader, _ = hds.initialize(model=model, optimizer=_client_optimizer(model), training_data=data,
+                                          config=_config(1, "fp32", 1, section))  # fmt: skip
+    # The indices this rank's loader draws (iterating would start worker processes, not allowed in the harness).
+    seen = sorted(int(i) for i in loader.data_sampler)
+    return {"loader_is_engines": loader is engine.training_dataloader, "samples": seen}
+
+
 def _bad_world_case(rank):
     """Section errors that need the world size: ValueError on every rank, before any engine exists."""
     import hieravg_optim.deepspeed as hds
@@ -365,6 +381,7 @@ def _all_scenarios(rank, world_size, folder):
     # (deepspeed.utils.groups.mpu), so a plain engine must be built before any replica engine.
     results = {"no_section": _no_section_case(rank)}
     results["bad_world"] = _bad_world_case(rank)
+    results["dataloader"] = _dataloader_case(rank)
     results["averaging"] = {case[0]: _averaging_case(rank, *case) for case in AVERAGING_CASES}
     results["parity"] = {
         "zero0_fp32_config_scheduler": _parity_case(rank, "z0", 0, "fp32", client_scheduler=False),
@@ -473,6 +490,13 @@ def test_checkpoint_resume_equals_uninterrupted(results, case):
         assert r["loaded_from"].startswith(f"replica_{rank // S}"), r
 
 
+def test_training_data_is_sharded_over_all_ranks(results):
+    samples = [per_rank["dataloader"]["samples"] for per_rank in results]
+    assert all(per_rank["dataloader"]["loader_is_engines"] for per_rank in results)
+    assert all(len(s) == 64 // WORLD for s in samples), samples
+    assert sorted(v for s in samples for v in s) == list(range(64)), samples
+
+
 def test_bad_world_dependent_sections_raise_value_error(results):
     expected = {
         "last_group_not_world": "must be equal to the size of the process group",
@@ -533,6 +557,17 @@ def test_bad_section_raises_before_any_process_group(tmp_path):
     path.write_text(json.dumps(_config(1, "fp32", 1, {"period_group_size": {"4": 4}, "warmup": 1})))
     with pytest.raises(ValueError, match="unknown key 'warmup'"):
         hds.initialize(model=torch.nn.Linear(2, 2), config=str(path))
+    assert not dist.is_initialized()
+
+
+def test_missing_optimizer_raises_before_any_process_group():
+    import torch
+    import torch.distributed as dist
+
+    import hieravg_optim.deepspeed as hds
+
+    with pytest.raises(ValueError, match="needs an optimizer"):
+        hds.initialize(model=torch.nn.Linear(2, 2), config=_config(1, "fp32", 1, {"period_group_size": {"4": 4}}))
     assert not dist.is_initialized()
 
 
