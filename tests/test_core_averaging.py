@@ -443,6 +443,34 @@ def _scenario_process_group_halves(rank: int) -> dict:
     return {"means": seen}
 
 
+def _scenario_world_6_of_8(rank: int) -> dict:
+    """A process group of 6 ranks (0..5; ranks 6, 7 take no part), levels {2: 3, 4: 6}: groups of 3,
+    exact means at every step. Values stay integers: multiples of 6, moved by multiples of 6."""
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    group = dist.new_group(list(range(6)))  # every rank of the default group calls new_group
+    if rank >= 6:
+        return {"levels_seen": None}
+    levels, warmup = {2: 3, 4: 6}, 1
+    sim = [6.0 * r for r in range(6)]
+    p = nn.Parameter(torch.full((4,), sim[rank]))
+    opt = HierarchicalAveragingOptimizer(torch.optim.SGD([p], lr=1.0), levels, warmup, group)
+    seen = []
+    for count in range(9):
+        step = lambda r: 6.0 * (count % 4) * (r + 1)  # noqa: E731
+        p.grad = torch.full_like(p, -step(rank))
+        opt.step()
+        sim = [v + step(r) for r, v in enumerate(sim)]
+        level = _expected_level(count, levels, warmup)
+        seen.append(level)
+        if level is not None:
+            size = list(levels.values())[level]
+            sim = [sum(sim[m] for m in _subgroup(r, size)) / size for r in range(6)]
+            assert all(v == int(v) for v in sim), sim
+        assert torch.equal(p.detach(), torch.full((4,), sim[rank])), (count, p, sim[rank])
+    return {"levels_seen": seen}
+
+
 # --------------------------------------------------------------------------------------------------
 SCENARIOS = {
     "rank_exact": _scenario_rank_exact,
@@ -455,6 +483,7 @@ SCENARIOS = {
     "sharded": _scenario_sharded,
     "buffers": _scenario_buffers,
     "process_group_halves": _scenario_process_group_halves,
+    "world_6_of_8": _scenario_world_6_of_8,
 }
 
 
@@ -548,3 +577,9 @@ def test_disjoint_process_groups_each_with_a_hierarchy(results):
         pair = range(2 * (rank // 2), 2 * (rank // 2) + 2)
         pair_mean = sum(x * x for x in pair) / 2
         assert r["process_group_halves"]["means"] == [pair_mean, sum(x * x for x in half) / 4, pair_mean]
+
+
+def test_process_group_of_6_ranks_exact(results):
+    for rank, r in enumerate(results):
+        expected = None if rank >= 6 else [None, None, 0, None, 1, None, 0, None, 1]
+        assert r["world_6_of_8"]["levels_seen"] == expected
