@@ -299,6 +299,17 @@ def _scenario_optimizer_protocol(rank: int) -> dict:
     load_pre.remove()
     assert opt.averaging_step == 3
     _train(model, opt, rank, 3, 4)  # the post-load check
+
+    # A checkpoint saved with other levels: a warning at the caller, and the count continues.
+    other = HierarchicalAveragingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), {4: WORLD})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other.load_state_dict(opt.state_dict())
+    mine = [w for w in caught if "was saved with levels [(2, 2), (4, 4)]" in str(w.message)]
+    assert len(mine) == 1 and mine[0].filename == __file__, [(str(w.message), w.filename) for w in caught]
+    assert other.averaging_step == 4
+    _train(model, other, rank, 4, 5)
+    assert other.averaging_step == 5
     text = repr(opt)
     assert "HierarchicalAveragingOptimizer" in text and "SGD" in text and "{2: 2, 4: 4}" in text, text
     with pytest.raises(TypeError, match="state_dict"):
