@@ -29,12 +29,23 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from digits_common import batches, build_mlp, evaluate, load_digits_shard, replicas_identical, write_metrics  # noqa: E402
+from digits_common import (  # noqa: E402
+    batches,
+    build_mlp,
+    evaluate,
+    load_digits_shard,
+    replicas_identical,
+    write_metrics,
+)
 from train_digits import make_parser as make_base_parser  # noqa: E402
 from train_digits import parse_period_group_size  # noqa: E402
 
 from hieravg_optim import AveragingConfig, rounds_per_level  # noqa: E402
-from hieravg_optim.fsdp import FSDPHierarchicalAveragingOptimizer, init_replicate_shard_mesh, shard_replica  # noqa: E402
+from hieravg_optim.fsdp import (  # noqa: E402
+    FSDPHierarchicalAveragingOptimizer,
+    init_replicate_shard_mesh,
+    shard_replica,
+)
 
 
 def default_period_group_size(world_size: int, shards: int) -> str:
@@ -76,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = make_parser()
     args = parser.parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        parser.error("RANK/WORLD_SIZE are not set: launch with torchrun --nproc_per_node N examples/train_digits_fsdp.py")
+        parser.error(
+            "RANK/WORLD_SIZE are not set: launch with torchrun --nproc_per_node N examples/train_digits_fsdp.py"
+        )
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     shards = args.shards_per_replica
@@ -157,7 +170,9 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
     loss_fn = torch.nn.CrossEntropyLoss()
 
     loss_curve = []
-    bar = tqdm(total=total_steps, disable=rank != 0, desc=f"digits FSDP{args.fsdp_version}", unit="step", mininterval=0.5)
+    bar = tqdm(
+        total=total_steps, disable=rank != 0, desc=f"digits FSDP{args.fsdp_version}", unit="step", mininterval=0.5
+    )
     for epoch in range(args.epochs):
         epoch_loss = torch.zeros(1, dtype=torch.float64)
         epoch_batches = batches(data.x_train, data.y_train, args.batch_size, epoch=epoch, seed=args.seed + rank)

@@ -63,7 +63,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp._flat_param import FlatParameter
 
-from .optimizer import HierarchicalAveragingOptimizer, local_tensor
+from .optimizer import HierarchicalAveragingOptimizer
 from .schedule import AveragingLevel
 
 try:  # torch >= 2.6
@@ -220,9 +220,10 @@ def shard_replica(
         strategy = fsdp_kwargs.setdefault("sharding_strategy", ShardingStrategy.FULL_SHARD)
         _check_fsdp1_strategy(strategy, "shard_replica")
         if "device_id" not in fsdp_kwargs:
-            fsdp_kwargs["device_id"] = (
-                torch.device("cpu") if mesh.device_type == "cpu" else torch.device(mesh.device_type, torch.cuda.current_device())
-            )
+            if mesh.device_type == "cpu":
+                fsdp_kwargs["device_id"] = torch.device("cpu")
+            else:
+                fsdp_kwargs["device_id"] = torch.device(mesh.device_type, torch.cuda.current_device())
         return FSDP(module, process_group=shard_mesh.get_group(), **fsdp_kwargs)
     if fsdp_version == 2:
         for sub in submodules:

@@ -21,7 +21,15 @@ pytestmark = pytest.mark.timeout(600)
 
 WORLD = 4
 SHARDS = 2
-CONFIGS = ["fsdp1", "fsdp1_orig", "fsdp1_orig_wrap_bf16", "fsdp1_shard_grad_op", "fsdp2", "fsdp2_wrap_bf16", "fsdp2_keep"]
+CONFIGS = [
+    "fsdp1",
+    "fsdp1_orig",
+    "fsdp1_orig_wrap_bf16",
+    "fsdp1_shard_grad_op",
+    "fsdp2",
+    "fsdp2_wrap_bf16",
+    "fsdp2_keep",
+]
 LEVELS = {3: 4}  # every 3 steps, both replicas (4 ranks) average; group size 2 would be one replica alone
 
 
@@ -225,7 +233,9 @@ def _contrast_and_misuse(rank: int, world_size: int) -> dict:
         return torch.optim.AdamW(m.parameters(), lr=0.01)
 
     # FSDP1 HYBRID_SHARD over the same mesh: all-reduces across replicas every step.
-    hybrid = FSDP(_tiny(), device_mesh=mesh, sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=torch.device("cpu"))
+    hybrid = FSDP(
+        _tiny(), device_mesh=mesh, sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=torch.device("cpu")
+    )
     out["fsdp1_hybrid"] = error_of(lambda: FSDPHierarchicalAveragingOptimizer(adam(hybrid), hybrid, mesh, LEVELS))
     out["shard_replica_hybrid"] = error_of(
         lambda: shard_replica(_tiny(), mesh, fsdp_version=1, sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -236,7 +246,9 @@ def _contrast_and_misuse(rank: int, world_size: int) -> dict:
     out["fsdp2_hsdp"] = error_of(lambda: FSDPHierarchicalAveragingOptimizer(adam(hsdp), hsdp, mesh, LEVELS))
     # FSDP1 over the whole world (one replica): shards over other ranks than the mesh row.
     world_fsdp = FSDP(_tiny(), device_id=torch.device("cpu"))
-    out["fsdp1_world"] = error_of(lambda: FSDPHierarchicalAveragingOptimizer(adam(world_fsdp), world_fsdp, mesh, LEVELS))
+    out["fsdp1_world"] = error_of(
+        lambda: FSDPHierarchicalAveragingOptimizer(adam(world_fsdp), world_fsdp, mesh, LEVELS)
+    )
     # A mesh whose dimensions are named the other way round, and one with another layout.
     swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
     good = _shard("fsdp2", mesh)

@@ -46,11 +46,18 @@ def _torchrun(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def _fail(result: subprocess.CompletedProcess) -> None:
+    pytest.fail(
+        f"{' '.join(result.args)} exited with {result.returncode}.\n--- stdout ---\n{result.stdout[-3000:]}\n"
+        f"--- stderr ---\n{result.stderr[-6000:]}"
+    )
+
+
 def _run_ok(tmp_path: Path, name: str, *args: str) -> dict:
     out = tmp_path / f"{name}.json"
     result = _torchrun(4, *args, "--metrics-out", str(out))
     if result.returncode != 0:
-        pytest.fail(f"{' '.join(result.args)} exited with {result.returncode}.\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+        _fail(result)
     metrics = json.loads(out.read_text())
     assert KEYS <= metrics.keys(), sorted(KEYS - metrics.keys())
     assert "test accuracy" in result.stdout
@@ -92,7 +99,7 @@ def test_readme_fsdp_quickstart_runs_and_checkpoints(tmp_path):
     script.write_text(_readme_block("fsdp_quickstart"))
     result = _torchrun(4, script=script, cwd=tmp_path)
     if result.returncode != 0:
-        pytest.fail(f"the quickstart exited with {result.returncode}.\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+        _fail(result)
     lines = dict(re.findall(r"^rank (\d): (loss [0-9.]+, averaging rounds per period \{.*\})$", result.stdout, re.M))
     assert sorted(lines) == ["0", "1", "2", "3"], result.stdout
     # The README shows rank 0's actual line; the loss up to another CPU kernel path's rounding.
