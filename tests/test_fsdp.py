@@ -257,6 +257,7 @@ def _contrast_and_misuse(rank: int, world_size: int) -> dict:
 
     strided = DeviceMesh("cpu", torch.arange(4).view(2, 2).t().contiguous(), mesh_dim_names=("replicate", "shard"))
     out["strided_layout"] = error_of(lambda: FSDPHierarchicalAveragingOptimizer(adam(good), good, strided, LEVELS))
+    out["shards_not_dividing"] = error_of(lambda: init_replicate_shard_mesh(3, "cpu"))
     # Not sharded at all; a bad group size (not a multiple of the shards per replica).
     plain = _tiny()
     out["plain_module"] = error_of(lambda: FSDPHierarchicalAveragingOptimizer(adam(plain), plain, mesh, LEVELS))
@@ -297,6 +298,8 @@ def test_torch_averager_loses_the_average_and_misuse_is_rejected():
         assert kind == "ValueError" and "mesh_dim_names" in msg, msg
         kind, msg = out["strided_layout"]
         assert kind == "ValueError" and "arange(world_size=4).view(2, 2)" in msg, msg
+        kind, msg = out["shards_not_dividing"]
+        assert kind == "ValueError" and "shards_per_replica=3 must divide the world size (4)" in msg, msg
         kind, msg = out["plain_module"]
         assert kind == "TypeError" and "not sharded with FSDP" in msg, msg
         kind, msg = out["bad_group_size"]
