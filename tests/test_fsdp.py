@@ -372,3 +372,49 @@ def test_dcp_resume_equals_uninterrupted_run(tmp_path):
             assert r["loaded_equal"], f"{where}: loaded parameters differ from the saved ones"
             assert r["resumed_equal"], f"{where}: the resumed run differs from the uninterrupted one"
             assert r["folders"] == ["replica_0", "replica_1"], f"{where}: {r['folders']}"
+
+
+# -- two levels on 8 ranks: 4 replicas x 2 shards ----------------------------------------------------------------------
+def _two_levels(rank: int, world_size: int) -> dict:
+    from hieravg_optim.fsdp import FSDPHierarchicalAveragingOptimizer, init_replicate_shard_mesh
+
+    mesh = init_replicate_shard_mesh(SHARDS, "cpu")
+    replicas = world_size // SHARDS
+    out = {}
+    for config in ["fsdp1", "fsdp2"]:
+        model = _shard(config, mesh)
+        # Counts 2 and 6: pairs of replicas (4 ranks) average; count 4: all 4 replicas (8 ranks). Warm-up 1.
+        opt = FSDPHierarchicalAveragingOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.05), model, mesh, {2: 4, 4: 8}, warmup_steps=1
+        )
+        captured: dict[int, torch.Tensor] = {}
+        handle = opt.optimizer.register_step_post_hook(
+            lambda optimizer, args, kwargs: captured.__setitem__(opt.averaging_step, _flat(_full_params(model)))
+        )
+        checks = {}
+        for step in range(5):
+            _train_step(model, opt, rank, step)
+            if step in (2, 4):
+                before = _gather(captured[step])  # every rank's replica, before this step's averaging
+                after = _gather(_flat(_full_params(model)))
+                per_replica = [before[r * SHARDS] for r in range(replicas)]
+                if step == 2:  # replicas {0, 1} and {2, 3} average
+                    means = [(per_replica[2 * (r // 2)] + per_replica[2 * (r // 2) + 1]) / 2 for r in range(replicas)]
+                else:  # all four
+                    means = [sum(per_replica) / replicas] * replicas
+                # atol: gloo may sum 4 replicas in another order than sum() does.
+                checks[step] = all(
+                    torch.allclose(after[r], means[r // SHARDS], rtol=0, atol=1e-6) for r in range(world_size)
+                )
+                checks[f"{step}_pairs_differ"] = not torch.equal(after[0], after[2 * SHARDS])
+        handle.remove()
+        out[config] = checks
+    return out
+
+
+def test_two_levels_on_four_replicas():
+    results = run_distributed(_two_levels, 8, timeout=300)
+    for rank, out in enumerate(results):
+        for config, checks in out.items():
+            assert checks[2] and checks[4], f"rank {rank}, {config}: {checks}"
+            assert checks["2_pairs_differ"] and not checks["4_pairs_differ"], f"rank {rank}, {config}: {checks}"
