@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import deepspeed
@@ -31,11 +30,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from digits_common import batches, build_mlp, evaluate, load_digits_shard, replicas_identical, write_metrics  # noqa: E402
+from digits_common import batches, build_mlp, evaluate, load_digits_shard, replicas_identical, write_metrics
 
-import hieravg_optim.deepspeed as hds  # noqa: E402
-from hieravg_optim import rounds_per_level  # noqa: E402
+import hieravg_optim.deepspeed as hds
+from hieravg_optim import rounds_per_level
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -83,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
     steps_per_epoch = int(smallest) // (micro * accumulation)
     if steps_per_epoch == 0:
-        raise SystemExit(f"error: micro batch {micro} x accumulation {accumulation} exceeds a rank's share ({int(smallest)})")
+        raise SystemExit(
+            f"error: micro batch {micro} x accumulation {accumulation} exceeds a rank's share ({int(smallest)})"
+        )
     total_steps = steps_per_epoch * args.epochs
     loss_fn = torch.nn.CrossEntropyLoss()
 

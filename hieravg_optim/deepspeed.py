@@ -212,7 +212,8 @@ class ReplicaParallelUnit:
         self.ranks_per_replica = ranks_per_replica
         self.replica_index = rank // ranks_per_replica
         """Which replica this rank belongs to (0 .. world_size / ranks_per_replica - 1)."""
-        self._dp_ranks = list(range(self.replica_index * ranks_per_replica, (self.replica_index + 1) * ranks_per_replica))
+        first = self.replica_index * ranks_per_replica
+        self._dp_ranks = list(range(first, first + ranks_per_replica))
         self._dp_group = None
         for start in range(0, world_size, ranks_per_replica):
             ranks = list(range(start, start + ranks_per_replica))
@@ -475,7 +476,11 @@ def _install_hooks(engine: Any, state: DeepSpeedAveraging) -> None:
         client = dict(client_state or {})
         client[CHECKPOINT_KEY] = state.state_dict()
         out = original_save(
-            folder, tag=tag, client_state=client, save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters
+            folder,
+            tag=tag,
+            client_state=client,
+            save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters,
         )
         if save_latest and state.replica_index > 0 and state.mpu.get_data_parallel_rank() == 0:
             # DeepSpeed writes "latest" on global rank 0 only, i.e. for replica 0.

@@ -18,7 +18,8 @@ trains on its own data, so the replicas differ until they average.
 * Checkpoint save / load: the resumed run equals the uninterrupted one.
 * Bad sections: ``ValueError`` on every rank, before any engine exists.
 
-Runtime budget of this file: about 3 minutes on 2 idle cores (the launcher test about 60 s).
+Runtime budget of this file: about 3 minutes on 2 idle cores (measured 2-5 minutes on the shared,
+loaded 2-core machine; the deepspeed launcher test is 60-190 s of that, mostly starting 4 processes).
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ def _parity_case(rank, name, stage, prec, client_scheduler):
         if label == "ours":
             engine, _, _, sched = hds.initialize(model=model, config=cfg, **kwargs)
         else:
-            engine, _, _, sched = deepspeed.initialize(model=model, config=cfg, mpu=hds.ReplicaParallelUnit(S), **kwargs)
+            mpu = hds.ReplicaParallelUnit(S)
+            engine, _, _, sched = deepspeed.initialize(model=model, config=cfg, mpu=mpu, **kwargs)
         lrs = []
         for step in range(4):
             _micro_step(engine, rank, step)
@@ -635,7 +637,7 @@ def test_deepspeed_launcher_trains_digits(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     try:
-        out, err = proc.communicate(timeout=default_timeout(300))
+        out, err = proc.communicate(timeout=default_timeout(420))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
