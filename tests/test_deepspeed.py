@@ -5,7 +5,8 @@ processes costs most of the time on 2 cores); the tests below check its results.
 trains on its own data, so the replicas differ until they average.
 
 * For ZeRO stages 0-3 in fp32 and bf16 (and ZeRO-1 bf16 with fp32 gradient accumulation,
-  DeepSpeed's ``BF16_Optimizer``), with two parameter groups: after the averaging step,
+  DeepSpeed's ``BF16_Optimizer``; ZeRO-2/3 with the optimizer offloaded to the CPU), with two
+  parameter groups: after the averaging step,
   every rank's full module parameters are equal, the fp32 master weights equal exactly
   ``(replica 0 + replica 1) / 2`` of the master weights taken right before averaging, and
   the module parameters are exactly that mean rounded to the module's dtype.
@@ -56,6 +57,10 @@ AVERAGING_CASES = [
     ("zero2_bf16", 2, "bf16", 1, {}),
     ("zero3_fp32", 3, "fp32", 1, {}),
     ("zero3_bf16", 3, "bf16", 1, {}),
+    ("zero2_bf16_cpu_offload", 2, "bf16", 1,
+     {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "zero_force_ds_cpu_optimizer": False}),
+    ("zero3_fp32_cpu_offload", 3, "fp32", 1,
+     {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}, "zero_force_ds_cpu_optimizer": False}),
     ("zero2_fp32_gas2", 2, "fp32", 2, {}),
     ("zero3_bf16_gas2", 3, "bf16", 2, {}),
 ]
