@@ -13,8 +13,9 @@ Memory: one reusable bucket per (device, accumulation dtype), of at most
 ``bucket_cap_mb`` MB, plus, for a non-contiguous tensor, one temporary contiguous
 copy of that tensor. Contiguous tensors of the accumulation dtype at least as large
 as a bucket (on CPU: at least 4 MiB, where copying costs about as much as sending)
-are all-reduced in place, with no copy. A bucket is packed with one ``torch.cat`` and
-unpacked with the division by the group size fused into the copy back.
+are all-reduced in place, with no copy. A bucket is used as two halves, so that one
+half's all-reduce overlaps packing the other; a half is packed with one ``torch.cat``
+and unpacked with the division by the group size fused into the copy back.
 
 Accumulation dtype: float16 and bfloat16 tensors are summed in float32 buckets
 (twice the traffic of those tensors, but no overflow and no loss of the low bits
@@ -34,6 +35,9 @@ import torch.distributed as dist
 __all__ = ["BucketPool", "accumulation_dtype", "average_tensors_", "check_agreement", "tensor_signature"]
 
 _HALF = (torch.float16, torch.bfloat16)
+
+_PIPELINE_MIN_BYTES = 1 << 20
+"""Packed tensors of at least this many bytes in total go through the bucket as two pipelined halves."""
 
 _DIRECT_MIN_BYTES_CPU = 4 << 20
 """On CPU, tensors of the accumulation dtype of at least this many bytes are all-reduced in place
@@ -74,25 +78,83 @@ class BucketPool:
         self._buffers.clear()
 
 
-def _flush(bucket: torch.Tensor, used: int, pending: list[torch.Tensor], group: dist.ProcessGroup, size: int) -> None:
-    """All-reduce ``pending`` (1-D views into the tensors' own storage) through ``bucket[:used]``.
+def _reduce_packed(packed: list[torch.Tensor], bucket: torch.Tensor, group: dist.ProcessGroup, size: int) -> None:
+    """Average ``packed`` (same accumulation dtype, any strides) through ``bucket``, pipelined.
 
-    One ``torch.cat`` packs them (one kernel, not one copy per piece), and the division by
-    the group size is fused with the copy back (``torch.div(..., out=piece)``): two passes
-    over the bucket besides the all-reduce.
+    When the tensors do not fit in half the bucket, the bucket is used as two halves: while
+    one half's all-reduce runs (``async_op=True``), the next half is packed; a half is
+    unpacked only after its own all-reduce has completed, and is refilled only after that.
+    Extra memory stays one bucket. Each half is packed with one ``torch.cat`` and unpacked
+    with the division by ``size`` fused into the copy back (``torch.div(..., out=piece)``).
+    A non-contiguous tensor is packed from one temporary contiguous copy, copied back once
+    the half holding its last piece is unpacked.
     """
-    view = bucket[:used]
-    if len(pending) == 1:
-        view.copy_(pending[0])
-    else:
-        torch.cat(pending, out=view)
-    dist.all_reduce(view, op=dist.ReduceOp.SUM, group=group)
-    offset = 0
-    for piece in pending:
-        n = piece.numel()
-        torch.div(view[offset : offset + n], size, out=piece)
-        offset += n
-    pending.clear()
+    total = sum(t.numel() for t in packed)
+    if total * bucket.element_size() >= _PIPELINE_MIN_BYTES and bucket.numel() >= 2:
+        half = bucket.numel() // 2
+        slots = (bucket[:half], bucket[half : 2 * half])
+    else:  # too small to gain from overlap: one slot, each flush waits for the previous one
+        half = bucket.numel()
+        slots = (bucket,)
+    # Per slot: (work, bucket view, pieces to unpack into, (tensor, temporary) to copy back).
+    in_flight: list[tuple | None] = [None, None]
+
+    def finish(i: int) -> None:
+        record = in_flight[i]
+        if record is None:
+            return
+        in_flight[i] = None
+        work, view, pieces, backs = record
+        work.wait()
+        offset = 0
+        for piece in pieces:
+            n = piece.numel()
+            torch.div(view[offset : offset + n], size, out=piece)
+            offset += n
+        for dst, src in backs:
+            dst.copy_(src)
+
+    cur = 0
+    used = 0
+    pending: list[torch.Tensor] = []
+    backs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def flush() -> None:
+        nonlocal cur, used, pending, backs
+        finish(cur)
+        view = slots[cur][:used]
+        if len(pending) == 1:
+            view.copy_(pending[0])
+        else:
+            torch.cat(pending, out=view)
+        work = dist.all_reduce(view, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        in_flight[cur] = (work, view, pending, backs)
+        pending, backs, used = [], [], 0
+        cur = (cur + 1) % len(slots)
+
+    for t in packed:
+        tmp = None if t.is_contiguous() else t.contiguous()
+        flat = (t if tmp is None else tmp).view(-1)
+        start = 0
+        n = flat.numel()
+        while start < n:
+            take = min(n - start, half - used)
+            pending.append(flat[start : start + take] if take < n else flat)
+            used += take
+            start += take
+            if used == half:
+                if tmp is not None and start == n:
+                    backs.append((t, tmp))
+                    tmp = None
+                flush()
+        if tmp is not None:
+            backs.append((t, tmp))
+        del tmp
+    if used:
+        flush()
+    for _ in slots:  # the older slot first
+        finish(cur)
+        cur = (cur + 1) % len(slots)
 
 
 def average_tensors_(
@@ -161,39 +223,9 @@ def average_tensors_(
         if not packed:
             continue
         total = sum(t.numel() for t in packed)
-        bucket = pool.get(device, acc, min(cap, total))
-        cap_here = bucket.numel()
-        used = 0
-        pending: list[torch.Tensor] = []
-        # Non-contiguous tensors are packed from one temporary contiguous copy each (in their own
-        # dtype), copied back once their last piece has been reduced.
-        copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for t in packed:
-            tmp = None if t.is_contiguous() else t.contiguous()
-            flat = (t if tmp is None else tmp).view(-1)
-            start = 0
-            n = flat.numel()
-            while start < n:
-                take = min(n - start, cap_here - used)
-                pending.append(flat[start : start + take] if take < n else flat)
-                used += take
-                start += take
-                if used == cap_here:
-                    _flush(bucket, used, pending, group, group_size)
-                    used = 0
-                    for dst, src in copy_back:
-                        dst.copy_(src)
-                    copy_back.clear()
-            if tmp is not None:
-                if used:
-                    copy_back.append((t, tmp))
-                else:
-                    t.copy_(tmp)
-            del tmp
-        if used:
-            _flush(bucket, used, pending, group, group_size)
-            for dst, src in copy_back:
-                dst.copy_(src)
+        # Sliced to what this call needs: the chunking then depends only on the sizes the ranks
+        # agreed on, never on how large this rank's pooled bucket grew in earlier calls.
+        _reduce_packed(packed, pool.get(device, acc, min(cap, total))[: min(cap, total)], group, group_size)
     return payload
 
 
