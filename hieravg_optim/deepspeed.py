@@ -319,6 +319,13 @@ class DeepSpeedAveraging:
         self.config = config
         self.mpu = mpu
         self.kind = _optimizer_kind(engine.optimizer)
+        backend = str(dist.get_backend())
+        if "gloo" not in backend and any(t.device.type == "cpu" for t in self.master_tensors()):
+            raise NotImplementedError(
+                f"The fp32 master weights are on the CPU (ZeRO optimizer offload) but the process group backend is "
+                f"{backend!r}, which cannot all-reduce CPU tensors. Turn off offload_optimizer, or initialise "
+                'torch.distributed with a CPU-capable backend such as "cpu:gloo,cuda:nccl".'
+            )
         self.averager = HierarchicalAverager(config)
 
     @property
