@@ -46,15 +46,23 @@ GOLDEN_4_6_WARMUP_0 = {
 }  # fmt: skip
 
 
+# The table of the README's semantics section: {2: 2, 4: 4}, counts 0..8.
+LEVELS_README = (AveragingLevel(2, 2), AveragingLevel(4, 4))
+GOLDEN_README_WARMUP_0 = {0: 1, 1: None, 2: 0, 3: None, 4: 1, 5: None, 6: 0, 7: None, 8: 1}
+GOLDEN_README_WARMUP_1 = {0: None, 1: None, 2: 0, 3: None, 4: 1, 5: None, 6: 0, 7: None, 8: 1}
+
+
 @pytest.mark.parametrize(
     ("levels", "warmup", "golden"),
     [
+        (LEVELS_README, 0, GOLDEN_README_WARMUP_0),
+        (LEVELS_README, 1, GOLDEN_README_WARMUP_1),
         (LEVELS_3, 3, GOLDEN_3_WARMUP_3),
         (LEVELS_3, 0, GOLDEN_3_WARMUP_0),
         (LEVELS_1_3, 2, GOLDEN_1_3_WARMUP_2),
         (LEVELS_4_6, 0, GOLDEN_4_6_WARMUP_0),
     ],
-    ids=["3-levels-warmup-3", "3-levels-warmup-0", "period-1-warmup-2", "non-nested-periods"],
+    ids=["readme-warmup-0", "readme-warmup-1", "3-levels-warmup-3", "3-levels-warmup-0", "period-1-warmup-2", "non-nested-periods"],
 )
 def test_level_at_golden(levels, warmup, golden):
     assert {k: level_at(k, levels, warmup) for k in golden} == golden
