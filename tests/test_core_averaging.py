@@ -244,6 +244,40 @@ def _scenario_dtypes_layouts(rank: int) -> dict:
     return {"pool_bytes": results}
 
 
+def _scenario_pipelined_buckets(rank: int) -> dict:
+    """Packed tensors of more than 1 MiB go through the bucket as two pipelined halves: exact means
+    with tensors spanning many flushes, non-contiguous ones included, for several bucket sizes."""
+    from hieravg_optim import AveragingConfig, HierarchicalAverager
+
+    def make() -> list[torch.Tensor]:
+        values = lambda n: torch.arange(n, dtype=torch.float64) % 61 + 8 * rank  # noqa: E731
+        first = values(300 * 400).to(torch.float16).view(300, 400).t()  # non-contiguous, spans many flushes
+        if rank % 2:
+            first = first.contiguous()  # the same shape, contiguous on odd ranks
+        return [
+            first,
+            values(150_001).to(torch.bfloat16),
+            values(100_003).to(torch.float32),  # below the in-place threshold: packed as well
+            values(3).to(torch.float32),
+        ]
+
+    pools = {}
+    for cap_mb in (25.0, 0.01, 0.0333):
+        averager = HierarchicalAverager(AveragingConfig.create({2: 2, 4: 4, 8: 8}, bucket_cap_mb=cap_mb))
+        for level, group_size in enumerate((2, 4, 8)):
+            tensors = make()
+            layout = [(t.stride(), t.data_ptr()) for t in tensors]
+            gathered = [_all_gather(t) for t in tensors]
+            averager.average(level, tensors)
+            assert [(t.stride(), t.data_ptr()) for t in tensors] == layout
+            for i, t in enumerate(tensors):
+                expected = _mean_over(gathered[i], _subgroup(rank, group_size))
+                assert torch.equal(t.double(), expected), (cap_mb, level, i)
+        pools[cap_mb] = averager.pool.nbytes
+        assert pools[cap_mb] <= min(int(cap_mb * 1e6), (120_000 + 150_001 + 100_003 + 3) * 4), pools
+    return {"pool_bytes": pools}
+
+
 def _scenario_contiguity_differs(rank: int) -> dict:
     """The same shapes and dtypes, but contiguous on some ranks and transposed views on others."""
     from hieravg_optim import AveragingConfig, HierarchicalAverager
@@ -477,6 +511,7 @@ SCENARIOS = {
     "torch_parity": _scenario_torch_parity,
     "views": _scenario_views,
     "dtypes_layouts": _scenario_dtypes_layouts,
+    "pipelined_buckets": _scenario_pipelined_buckets,
     "contiguity_differs": _scenario_contiguity_differs,
     "grad_none_some_ranks": _scenario_grad_none_some_ranks,
     "disagreement": _scenario_disagreement,
@@ -583,3 +618,8 @@ def test_process_group_of_6_ranks_exact(results):
     for rank, r in enumerate(results):
         expected = None if rank >= 6 else [None, None, 0, None, 1, None, 0, None, 1]
         assert r["world_6_of_8"]["levels_seen"] == expected
+
+
+def test_pipelined_buckets_exact(results):
+    for r in results:
+        assert r["pipelined_buckets"]["pool_bytes"][0.01] <= 10_000
