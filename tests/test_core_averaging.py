@@ -257,7 +257,7 @@ def _scenario_pipelined_buckets(rank: int) -> dict:
         return [
             first,
             values(150_001).to(torch.bfloat16),
-            values(100_003).to(torch.float32),  # below the in-place threshold: packed as well
+            values(100_003).to(torch.float32),  # packed at 25 MB; reduced in place at the small caps
             values(3).to(torch.float32),
         ]
 
