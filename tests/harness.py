@@ -73,11 +73,19 @@ def _child(
         results.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
-        return
+        _exit_now(results, 1)
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+    _exit_now(results, 0)
+
+
+def _exit_now(results: mp.Queue, code: int) -> None:
+    """Flush the result to the parent, then exit without the interpreter's slow teardown (8-10 s at 8 ranks)."""
+    results.close()
+    results.join_thread()
+    os._exit(code)
 
 
 def run_distributed(
