@@ -21,7 +21,7 @@ Peak extra memory = the largest rise of a rank's peak RSS over its RSS just befo
 round (kernel high-water mark, reset before each round), over all rounds including the
 first (where ``ours`` allocates its bucket), maximum over ranks.
 
-Sharded mode (4 ranks, 2 ranks per replica, each holding half of the model's tensors):
+Sharded mode (4 ranks, 2 ranks per replica, each holding one half of every tensor):
 ``ours`` averages each shard among the 2 ranks holding it; the bytes each rank
 all-reduces, from :meth:`HierarchicalAverager.metrics`, are model / 2.
 
@@ -134,9 +134,16 @@ def _bench_rank(rank: int, world_size: int, model_names: list[str], reps: int, b
         s = 2
         name = model_names[-1]
         shapes = transformer_shapes(**MODELS[name])
-        # Shard index rank % s holds every s-th tensor, as a replica split over s ranks would.
-        mine = shapes[rank % s :: s]
-        shard_numel = sum(int(torch.Size(x).numel()) for x in mine)
+        # Shard index rank % s holds chunk rank % s of every flattened tensor (FSDP2-style
+        # per-parameter sharding, torch.chunk sizes), as a replica split over s ranks would.
+        mine = []
+        for x in shapes:
+            n = int(torch.Size(x).numel())
+            size = -(-n // s)
+            part = max(0, min(size, n - (rank % s) * size))
+            if part:
+                mine.append((part,))
+        shard_numel = sum(x[0] for x in mine)
         params = _make(mine, rank, torch)
         flat = torch.empty(shard_numel)
         averager = HierarchicalAverager(
