@@ -166,6 +166,16 @@ def test_train_digits_bad_arguments_fail_clearly():
     assert "must divide the size of the process group (2)" in result.stderr
 
 
+def test_train_digits_without_torchrun_says_how_to_launch():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=default_timeout(120),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "launch with torchrun --nproc_per_node N examples/train_digits.py" in result.stderr
+
+
 def readme_block(name: str) -> str:
     """The fenced code block that follows ``<!-- test:NAME -->`` in the README."""
     text = (ROOT / "README.md").read_text()
