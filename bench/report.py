@@ -39,6 +39,9 @@ def averaging(d) -> None:
         print(f"| {r['model']} ({r['tensors']} tensors) | {r['world_size']} | {m['ours']:.3f} | {m['torch']:.3f} | "
               f"{m['floor']:.3f} | {r['ratio_ours_floor']:.2f} | {r['ratio_ours_torch']:.2f} | {_mb(p['ours'])} | "
               f"{_mb(p['torch'])} | {_mb(r['ours_memory_target_bytes'])} | {_mb(r['model_bytes'])} |")
+    print("\nFastest round of each contender instead of the median (less sensitive to other jobs): " + "; ".join(
+        f"{r['model']}/{r['world_size']} ranks: ours/floor {r['min_ratio_ours_floor']:.2f}, ours/torch "
+        f"{r['min_ratio_ours_torch']:.2f}" for r in d["rows"] if "min_ratio_ours_floor" in r) + ".")
     for s in d["sharded"]:
         per = sorted(set(s["payload_bytes_per_round_by_rank"]))
         print(f"\nSharded mode ({s['model']}, {s['world_size']} ranks, {s['ranks_per_replica']} ranks per replica): "
