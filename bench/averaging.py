@@ -25,6 +25,9 @@ Sharded mode (4 ranks, 2 ranks per replica, each holding one half of every tenso
 ``ours`` averages each shard among the 2 ranks holding it; the bytes each rank
 all-reduces, from :meth:`HierarchicalAverager.metrics`, are model / 2.
 
+``--baseline-rev REV`` adds ``baseline_raw``: ``average_tensors_`` of
+``hieravg_optim/averaging.py`` at git revision REV, timed in the same processes (A/B).
+
 Results: printed, and written to ``bench/results/averaging.json``.
 """
 
@@ -49,7 +52,20 @@ def _make(shapes, rank, torch):
     return [torch.nn.Parameter(torch.full(s, float(rank))) for s in shapes]
 
 
-def _bench_rank(rank: int, world_size: int, model_names: list[str], reps: int, bucket_mb: float, sharded: bool):
+def _load_baseline(path: str):
+    """The averaging module of another revision (written by ``main`` from ``git show``), for A/B runs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hieravg_baseline_averaging", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench_rank(
+    rank: int, world_size: int, model_names: list[str], reps: int, bucket_mb: float, sharded: bool, baseline: str | None
+):
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.model_averaging.utils import average_parameters
@@ -90,6 +106,19 @@ def _bench_rank(rank: int, world_size: int, model_names: list[str], reps: int, b
             dist.all_reduce(flat, group=group)
 
         contenders = {"ours": ours, "ours_raw": ours_raw, "torch": torch_avg, "floor": floor}
+        if baseline:
+            old = _load_baseline(baseline)
+            base_params = _make(shapes, rank, torch)
+            base_pool = old.BucketPool()
+
+            def baseline_raw():
+                with torch.no_grad():
+                    old.average_tensors_(
+                        [p.detach() for p in base_params], group, world_size,
+                        bucket_cap_bytes=int(bucket_mb * 1e6), pool=base_pool,
+                    )
+
+            contenders["baseline_raw"] = baseline_raw
         times = {k: [] for k in contenders}
         peaks = {k: 0 for k in contenders}
         order = list(contenders)
@@ -108,7 +137,10 @@ def _bench_rank(rank: int, world_size: int, model_names: list[str], reps: int, b
                     times[key].append(float(slowest))
             if rep == 0:
                 # Correctness once: every contender holds the exact mean of the ranks.
-                for key, ps in (("ours", ours_params), ("ours_raw", raw_params), ("torch", torch_params)):
+                checked = [("ours", ours_params), ("ours_raw", raw_params), ("torch", torch_params)]
+                if baseline:
+                    checked.append(("baseline_raw", base_params))
+                for key, ps in checked:
                     for p in (ps[0], ps[len(ps) // 2], ps[-1]):
                         assert torch.all(p == expected_mean), (key, p.flatten()[:3])
         metrics = averager.metrics()[2]
@@ -127,6 +159,8 @@ def _bench_rank(rank: int, world_size: int, model_names: list[str], reps: int, b
                 "peak_extra_bytes": peaks,
             }
         )
+        if baseline:
+            del base_params, base_pool
         del ours_params, raw_params, torch_params, flat, averager, raw_pool
 
     sharded_result = None
@@ -190,13 +224,30 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=11, help="timed rounds per contender (median reported), >= 5")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--out", default="averaging.json", help="file name under bench/results/")
+    parser.add_argument(
+        "--baseline-rev", default=None,
+        help="also time average_tensors_ of hieravg_optim/averaging.py at this git revision (A/B), as baseline_raw",
+    )
     args = parser.parse_args()
     models = args.models.split(",")
+    baseline = None
+    if args.baseline_rev:
+        import subprocess
+        import tempfile
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        src = subprocess.run(
+            ["git", "show", f"{args.baseline_rev}:hieravg_optim/averaging.py"],
+            cwd=root, check=True, capture_output=True, text=True,
+        ).stdout
+        baseline = os.path.join(tempfile.mkdtemp(prefix="hieravg-baseline-"), "averaging_baseline.py")
+        with open(baseline, "w") as f:
+            f.write(src)
     env = environment()
     rows, sharded = [], []
     memory_method = None
     for ws in (int(x) for x in args.world_sizes.split(",")):
-        per_rank = spawn(_bench_rank, ws, models, args.reps, args.bucket_mb, ws >= 4)
+        per_rank = spawn(_bench_rank, ws, models, args.reps, args.bucket_mb, ws >= 4, baseline)
         memory_method = per_rank[0]["memory_method"]
         for i, r in enumerate(per_rank[0]["results"]):
             r = dict(r)
@@ -212,6 +263,10 @@ def main() -> None:
             r["min_ratio_ours_floor"] = best["ours"] / best["floor"]
             r["min_ratio_ours_torch"] = best["ours"] / best["torch"]
             r["ours_memory_target_bytes"] = r["bucket_cap_bytes"] + r["largest_tensor_bytes"]
+            if "baseline_raw" in med:
+                r["baseline_rev"] = args.baseline_rev
+                r["ratio_ours_raw_baseline_raw"] = med["ours_raw"] / med["baseline_raw"]
+                r["ratio_baseline_raw_floor"] = med["baseline_raw"] / med["floor"]
             rows.append(r)
         if per_rank[0]["sharded"]:
             s = dict(per_rank[0]["sharded"])
@@ -238,6 +293,11 @@ def main() -> None:
     for r in rows:
         print(f"fastest rounds: {r['model']} on {r['world_size']} ranks: ours/floor {r['min_ratio_ours_floor']:.2f}, "
               f"ours/torch {r['min_ratio_ours_torch']:.2f}")
+    for r in rows:
+        if "baseline_raw" in r["median_s"]:
+            print(f"A/B: {r['model']} on {r['world_size']} ranks: average_tensors_ now / at {r['baseline_rev']}: "
+                  f"{r['ratio_ours_raw_baseline_raw']:.2f} (baseline/floor {r['ratio_baseline_raw_floor']:.2f}, "
+                  f"now/floor {r['ratio_ours_raw_floor']:.2f})")
     for s in sharded:
         print(
             f"sharded: {s['model']} on {s['world_size']} ranks, {s['ranks_per_replica']} ranks per replica: "

@@ -42,6 +42,13 @@ def averaging(d) -> None:
     print("\nFastest round of each contender instead of the median (less sensitive to other jobs): " + "; ".join(
         f"{r['model']}/{r['world_size']} ranks: ours/floor {r['min_ratio_ours_floor']:.2f}, ours/torch "
         f"{r['min_ratio_ours_torch']:.2f}" for r in d["rows"] if "min_ratio_ours_floor" in r) + ".")
+    ab = [r for r in d["rows"] if "ratio_ours_raw_baseline_raw" in r]
+    if ab:
+        print(f"\nA/B against `average_tensors_` at {ab[0]['baseline_rev']} (before the changes for this benchmark), "
+              "same processes, medians: now / before = " + "; ".join(
+                  f"{r['model']}/{r['world_size']} ranks: **{r['ratio_ours_raw_baseline_raw']:.2f}** "
+                  f"(before/floor {r['ratio_baseline_raw_floor']:.2f}, now/floor {r['ratio_ours_raw_floor']:.2f})"
+                  for r in ab) + ".")
     for s in d["sharded"]:
         per = sorted(set(s["payload_bytes_per_round_by_rank"]))
         print(f"\nSharded mode ({s['model']}, {s['world_size']} ranks, {s['ranks_per_replica']} ranks per replica): "
