@@ -18,10 +18,10 @@ The rule is the one of PyTorch's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["AveragingLevel", "level_at", "rounds_per_level"]
+__all__ = ["AveragingLevel", "Levels", "as_levels", "level_at", "rounds_per_level"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,19 +39,47 @@ class AveragingLevel:
     """Number of ranks (of the overall process group) in each averaging group of this level."""
 
 
-def level_at(count: int, levels: Sequence[AveragingLevel], warmup_steps: int) -> int | None:
+Levels = Sequence[AveragingLevel] | Mapping[int, int] | Iterable[tuple[int, int]]
+"""Levels as :class:`AveragingLevel` objects, torch's ``{period: group_size}`` mapping, or pairs."""
+
+
+def as_levels(levels: Levels) -> tuple[AveragingLevel, ...]:
+    """``levels`` as a tuple of :class:`AveragingLevel`, in the order given (no validation).
+
+    Raises:
+        TypeError: for anything that is not levels, a ``{period: group_size}`` mapping or pairs.
+    """
+    items = levels.items() if isinstance(levels, Mapping) else levels
+    out = []
+    for item in items:
+        if isinstance(item, AveragingLevel):
+            out.append(item)
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            out.append(AveragingLevel(period=int(item[0]), group_size=int(item[1])))
+        else:
+            raise TypeError(
+                f"levels must be AveragingLevel objects, a {{period: group_size}} mapping or (period, group_size) "
+                f"pairs, got the item {item!r}; opt.averager.levels holds a wrapper's levels."
+            )
+    return tuple(out)
+
+
+def level_at(count: int, levels: Levels, warmup_steps: int) -> int | None:
     """Return the index into ``levels`` of the level that averages at step ``count``.
 
     Args:
         count: The averaging step count, in optimizer steps, starting at 0.
-        levels: The levels, with strictly increasing periods (as validated by
-            :class:`hieravg_optim.config.AveragingConfig`).
+        levels: The levels, periods strictly increasing (as validated by
+            :class:`hieravg_optim.config.AveragingConfig`): :class:`AveragingLevel` objects,
+            the ``{period: group_size}`` mapping given to the wrapper, or pairs.
         warmup_steps: Counts below this never average.
 
     Returns:
-        The index of the level with the largest period that divides ``count``,
-        or ``None`` when ``count < warmup_steps`` or no period divides it.
+        The index (0 = the first, most frequent level) of the level with the largest period
+        that divides ``count``, or ``None`` when ``count < warmup_steps`` or no period
+        divides it: then nothing averages at that count.
     """
+    levels = as_levels(levels)
     if count < warmup_steps:
         return None
     for index in range(len(levels) - 1, -1, -1):
@@ -60,17 +88,16 @@ def level_at(count: int, levels: Sequence[AveragingLevel], warmup_steps: int) ->
     return None
 
 
-def rounds_per_level(
-    start: int, stop: int, levels: Sequence[AveragingLevel], warmup_steps: int
-) -> list[int]:
+def rounds_per_level(start: int, stop: int, levels: Levels, warmup_steps: int) -> list[int]:
     """Count the averaging rounds of each level over the step counts ``start <= k < stop``.
 
     Examples, benchmarks and tests use it to state the exact number of rounds
-    they expect.
+    they expect. ``levels`` takes the same forms as in :func:`level_at`.
 
     Returns:
         A list with one entry per level, in the order of ``levels``.
     """
+    levels = as_levels(levels)
     rounds = [0] * len(levels)
     for count in range(start, stop):
         index = level_at(count, levels, warmup_steps)

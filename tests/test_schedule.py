@@ -112,3 +112,15 @@ def test_matches_torch_rule_on_random_hierarchies():
         warmup = rng.randint(0, 12)
         for count in range(60):
             assert level_at(count, levels, warmup) == _torch_level(count, levels, warmup), (levels, warmup, count)
+
+
+def test_levels_accept_the_wrappers_mapping_and_pairs():
+    from hieravg_optim.schedule import as_levels
+
+    as_objects = (AveragingLevel(4, 2), AveragingLevel(16, 4))
+    assert as_levels({4: 2, 16: 4}) == as_objects
+    assert as_levels([(4, 2), (16, 4)]) == as_objects
+    assert rounds_per_level(0, 100, {4: 2, 16: 4}, 0) == rounds_per_level(0, 100, as_objects, 0) == [18, 7]
+    assert level_at(3, {4: 2}, 0) is None
+    with pytest.raises(TypeError, match="got the item 4"):
+        rounds_per_level(0, 10, [4], 0)
