@@ -44,6 +44,17 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _as_float(value: numbers.Real) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float's range: rejected as infinite
+        return math.inf
+
+
 def _as_int(value: object, what: str) -> int:
     """``value`` as an int if it is an integer or a JSON key spelling one, else ``ValueError``."""
     if _is_int(value):
@@ -173,11 +184,13 @@ class AveragingConfig:
         Raises:
             ValueError: naming the offending value, for every invalid setting.
         """
+        # Plain Python numbers (numpy integers, an int bucket size): the ranks compare the config by
+        # its repr, so warmup_steps=np.int64(8) on one rank and 8 on another must not differ.
         return cls(
             levels=parse_levels(period_group_size),
-            warmup_steps=warmup_steps,
-            ranks_per_replica=ranks_per_replica,
-            bucket_cap_mb=bucket_cap_mb,
+            warmup_steps=int(warmup_steps) if _is_int(warmup_steps) else warmup_steps,
+            ranks_per_replica=int(ranks_per_replica) if _is_int(ranks_per_replica) else ranks_per_replica,
+            bucket_cap_mb=_as_float(bucket_cap_mb) if _is_real(bucket_cap_mb) else bucket_cap_mb,
         )
 
     @property

@@ -39,14 +39,14 @@ import numbers
 import os
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .config import AveragingConfig
-from .optimizer import HierarchicalAverager
+from .optimizer import HierarchicalAverager, _agree_across_ranks, _raise_on_every_rank
 
 __all__ = [
     "SECTION",
@@ -585,6 +585,46 @@ def _shard_over_world(engine: Any, dataloader: Any, training_data: Any, collate_
     return engine.training_dataloader
 
 
+def _local_averaging_config(
+    settings: SectionSettings, ds_config: Mapping[str, Any], model: Any, optimizer: Any, mpu: Any, mesh_param: Any
+) -> AveragingConfig | None:
+    """The core config of an enabled section (``None`` if disabled), after every check that needs no collective."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    if not settings.enabled:
+        return None
+    if mpu is not None:
+        raise NotImplementedError(
+            "hierarchical averaging builds its own mpu (one data-parallel group per replica) and cannot be "
+            "combined with model/tensor/pipeline parallelism from an mpu. Remove the mpu, or remove the "
+            f'"{SECTION}" section.'
+        )
+    if mesh_param is not None or "sequence_parallel_size" in ds_config:
+        raise NotImplementedError(
+            "hierarchical averaging does not support sequence parallelism (mesh_param / sequence_parallel_size). "
+            f'Remove it, or remove the "{SECTION}" section.'
+        )
+    if isinstance(model, PipelineModule):
+        raise NotImplementedError(
+            "hierarchical averaging does not support pipeline parallelism (PipelineModule). Use a plain "
+            f'nn.Module, or remove the "{SECTION}" section.'
+        )
+    if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise NotImplementedError(
+            "the model was built under deepspeed.zero.Init, which partitions it over the whole world before "
+            "the replicas exist. Build it without zero.Init (ZeRO-3 still partitions it within each replica)."
+        )
+    if optimizer is None and "optimizer" not in ds_config:
+        raise ValueError(
+            "hierarchical averaging needs an optimizer to average after: pass optimizer=..., or give the "
+            'config an "optimizer" section.'
+        )
+    rpr = _resolve_ranks_per_replica(settings)
+    averaging_config = settings.averaging_config(rpr)
+    _check_batch_size(ds_config, rpr)
+    return averaging_config
+
+
 def initialize(
     args: Any = None,
     model: torch.nn.Module | None = None,
@@ -646,7 +686,6 @@ def initialize(
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
-    from deepspeed.runtime.pipe.module import PipelineModule
 
     ds_kwargs: dict[str, Any] = dict(
         model=model,
@@ -672,39 +711,16 @@ def initialize(
     if loaded is None or SECTION not in loaded:
         return deepspeed.initialize(args=args, config=config, config_params=config_params, **ds_kwargs)
 
-    settings = parse_section(loaded[SECTION])
-    ds_config = {k: v for k, v in loaded.items() if k != SECTION}
-
-    if settings.enabled:
-        if mpu is not None:
-            raise NotImplementedError(
-                "hierarchical averaging builds its own mpu (one data-parallel group per replica) and cannot be "
-                "combined with model/tensor/pipeline parallelism from an mpu. Remove the mpu, or remove the "
-                f'"{SECTION}" section.'
-            )
-        if mesh_param is not None or "sequence_parallel_size" in ds_config:
-            raise NotImplementedError(
-                "hierarchical averaging does not support sequence parallelism (mesh_param / sequence_parallel_size). "
-                f'Remove it, or remove the "{SECTION}" section.'
-            )
-        if isinstance(model, PipelineModule):
-            raise NotImplementedError(
-                "hierarchical averaging does not support pipeline parallelism (PipelineModule). Use a plain "
-                f'nn.Module, or remove the "{SECTION}" section.'
-            )
-        if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
-            raise NotImplementedError(
-                "the model was built under deepspeed.zero.Init, which partitions it over the whole world before "
-                "the replicas exist. Build it without zero.Init (ZeRO-3 still partitions it within each replica)."
-            )
-        if optimizer is None and "optimizer" not in ds_config:
-            raise ValueError(
-                "hierarchical averaging needs an optimizer to average after: pass optimizer=..., or give the "
-                'config an "optimizer" section.'
-            )
-        rpr = _resolve_ranks_per_replica(settings)
-        averaging_config = settings.averaging_config(rpr)
-        _check_batch_size(ds_config, rpr)
+    # Local checks. Where torch.distributed is already initialized, a failure on some ranks only is
+    # raised on every rank by the agreement below, instead of leaving the others waiting in new_group.
+    try:
+        settings = parse_section(loaded[SECTION])
+        ds_config = {k: v for k, v in loaded.items() if k != SECTION}
+        averaging_config = _local_averaging_config(settings, ds_config, model, optimizer, mpu, mesh_param)
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise
+        _raise_on_every_rank(exc, None, f'the "{SECTION}" section')
 
     # Initialise torch.distributed as deepspeed.initialize would, to know the world size.
     deepspeed.init_distributed(
@@ -712,6 +728,23 @@ def initialize(
         distributed_port=ds_kwargs.get("distributed_port", TORCH_DISTRIBUTED_DEFAULT_PORT),
         dist_init_required=dist_init_required,
     )
+    error: BaseException | None = None
+    if averaging_config is not None:
+        try:
+            averaging_config.check_world_size(dist.get_world_size())
+        except ValueError as exc:
+            error = exc
+    # Every rank must resolve the same settings ("auto" follows LOCAL_WORLD_SIZE, which differs between
+    # nodes running different numbers of ranks) before any replica group is created: else new_group hangs.
+    _agree_across_ranks(
+        f'the "{SECTION}" section (ranks_per_replica resolved)',
+        asdict(averaging_config) if averaging_config is not None else "disabled",
+        None,
+        error=error,
+        fix='Give every rank the same section; with "ranks_per_replica": "auto" (LOCAL_WORLD_SIZE, the ranks of '
+        'one node) every node must run the same number of ranks, else set "ranks_per_replica" explicitly.',
+    )
+    rpr = averaging_config.ranks_per_replica if averaging_config is not None else 0
 
     def _build(extra: dict[str, Any]):
         call = dict(ds_kwargs)
@@ -733,7 +766,6 @@ def initialize(
         return _build({})
 
     world_size = dist.get_world_size()
-    averaging_config.check_world_size(world_size)
     if rpr == world_size:
         warnings.warn(
             f"ranks_per_replica={rpr} is the world size: there is a single replica, so hierarchical averaging never "

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .averaging import BucketPool, _collective_device, _digest, average_tensors_, check_agreement
-from .config import AveragingConfig, _warn_at_caller
+from .config import AveragingConfig, _is_int, _warn_at_caller
 from .groups import LevelGroup, build_level_groups
 from .schedule import AveragingLevel, level_at
 
@@ -75,6 +75,78 @@ def _check_log_metrics_every(value: object) -> None:
         )
 
 
+def _agree_across_ranks(
+    what: str,
+    value: object,
+    process_group: dist.ProcessGroup | None,
+    *,
+    error: BaseException | None = None,
+    fix: str = "Every rank must use the same settings and resume from the same checkpoint.",
+) -> None:
+    """Raise on every rank of ``process_group`` if one rank failed a local check or the ranks' ``value`` differ.
+
+    A rank whose local validation failed passes its exception as ``error`` (and any ``value``): it
+    re-raises it, and every other rank raises a ``RuntimeError`` naming that rank and its error,
+    instead of waiting in the next collective until the process group's timeout. Costs one
+    all-gather of two int64 per rank; the values and messages are gathered only on a failure.
+
+    .. warning::
+        Collective over ``process_group``: every rank of it must call this, at the same point.
+
+    Raises:
+        RuntimeError: naming the ranks, if another rank failed or the values differ.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    world_size = dist.get_world_size(group)
+    device = _collective_device(group)
+    mine = torch.tensor([_digest(value), 0 if error is None else 1], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(everyone, mine, group=group)
+    failed = [i for i, t in enumerate(everyone) if int(t[1])]
+    same = all(int(t[0]) == int(everyone[0][0]) for t in everyone)
+    if not failed and same:
+        return
+    if error is not None and len(failed) == world_size:
+        raise error  # every rank failed: each raises its own error, no further collective
+    gathered: list = [None] * world_size
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(gathered, (None if error is not None else value, message), group=group)
+    if error is not None:
+        raise error
+    ranks = dist.get_process_group_ranks(group)
+    if failed:
+        index = failed[0]
+        others = [ranks[i] for i in failed[1:]]
+        raise RuntimeError(
+            f"Rank {ranks[index]} failed while checking {what}"
+            + (f" (ranks {others} failed too)" if others else "")
+            + f": {gathered[index][1]} This rank ({dist.get_rank()}) raises too, so that no rank waits "
+            "in a collective the failed rank never enters. Fix the setting on that rank."
+        )
+    values = [v for v, _ in gathered]
+    for index, other in enumerate(values):
+        if other != values[0]:
+            raise RuntimeError(
+                f"Ranks disagree on {what}: rank {ranks[0]} has {values[0]!r}, rank {ranks[index]} has "
+                f"{other!r}. {fix}"
+            )
+    raise AssertionError("digests differ but the gathered values are equal")
+
+
+def _raise_on_every_rank(error: BaseException, process_group: dist.ProcessGroup | None, what: str) -> None:
+    """Raise ``error`` here, after letting the other ranks of ``process_group`` raise too (see ``_agree_across_ranks``).
+
+    Without an initialized process group this rank belongs to, it just raises.
+    """
+    try:
+        member = dist.is_available() and dist.is_initialized() and dist.get_rank(process_group) >= 0
+    except (RuntimeError, ValueError, TypeError, AttributeError):
+        member = False
+    if member:
+        _agree_across_ranks(what, None, process_group, error=error)
+    raise error
+
+
 class HierarchicalAverager:
     """Hierarchical model averaging of a set of tensors, driven once per optimizer step.
 
@@ -98,7 +170,8 @@ class HierarchicalAverager:
     Raises:
         ValueError: from :meth:`AveragingConfig.check_world_size`, or for a ``log_metrics_every``
             that is not a positive integer, on every rank, before any collective.
-        RuntimeError: if the ranks were given different configs.
+        RuntimeError: if the ranks were given different configs, or another rank's config failed these
+            checks (that rank raises the ValueError; the others a RuntimeError naming it, never a hang).
     """
 
     def __init__(
@@ -108,7 +181,6 @@ class HierarchicalAverager:
         *,
         log_metrics_every: int | None = None,
     ) -> None:
-        _check_log_metrics_every(log_metrics_every)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialized: call torch.distributed.init_process_group() "
@@ -122,8 +194,14 @@ class HierarchicalAverager:
                 "only on the ranks of process_group (each rank passes the group it belongs to)."
             )
         self.world_size = dist.get_world_size(self.process_group)
-        config.check_world_size(self.world_size)
-        self._check_same_across_ranks("the averaging config", asdict(config))
+        # Local checks; a failure on some ranks only is raised on every rank by the agreement below.
+        error: BaseException | None = None
+        try:
+            _check_log_metrics_every(log_metrics_every)
+            config.check_world_size(self.world_size)
+        except ValueError as exc:
+            error = exc
+        _agree_across_ranks("the averaging config", asdict(config), self.process_group, error=error)
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
         self.step = 0
         """The averaging step count: optimizer steps taken so far (``HierarchicalModelAverager.step``)."""
@@ -132,7 +210,9 @@ class HierarchicalAverager:
             LevelMetrics(period=lg.level.period, group_size=lg.level.group_size, subgroup_size=lg.size)
             for lg in self.level_groups
         ]
-        self._verify_step_pending = False
+        # The first step checks that every rank starts at the same count: a checkpoint loaded on some
+        # ranks only is then a RuntimeError there, not a collective mismatch.
+        self._verify_step_pending = True
         self.log_metrics_every: int | None = log_metrics_every
         """Log :meth:`metrics` through ``logging`` at INFO every this many steps (``None``: never)."""
 
@@ -226,8 +306,27 @@ class HierarchicalAverager:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output. The count is checked across ranks at the next step."""
-        self.step = int(state["step"])
+        """Restore :meth:`state_dict`'s output. The count is checked across ranks at the next step.
+
+        Raises:
+            ValueError: if ``state`` has no ``"step"``, or it is not a non-negative integer (a float,
+                a string, ``None``: never silently truncated or reset).
+        """
+        if not isinstance(state, Mapping) or "step" not in state:
+            raise ValueError(
+                f"The averaging state must be a mapping with the averaging step count under 'step', as "
+                f"HierarchicalAverager.state_dict() returns, got {state!r}."
+            )
+        step = state["step"]
+        if torch.is_tensor(step) and step.numel() == 1 and not step.is_floating_point():
+            step = int(step)
+        if not _is_int(step) or step < 0:
+            raise ValueError(
+                f"The averaging step count 'step' in the state dict must be a non-negative integer (optimizer "
+                f"steps), got {step!r} ({type(step).__name__}). Load the state dict this library or torch's "
+                "PostLocalSGDOptimizer saved."
+            )
+        self.step = int(step)
         saved = [tuple(x) for x in state.get("levels", [])]
         current = [(lv.period, lv.group_size) for lv in self.config.levels]
         if saved and saved != current:
@@ -235,30 +334,28 @@ class HierarchicalAverager:
                 f"Resuming hierarchical averaging at step {self.step} with levels {current}, but the checkpoint "
                 f"was saved with levels {saved}. The schedule continues from the saved count with the new levels."
             )
+        saved_warmup = state.get("warmup_steps")
+        if saved_warmup is not None and saved_warmup != self.config.warmup_steps:
+            _warn_at_caller(
+                f"Resuming hierarchical averaging at step {self.step} with warmup_steps={self.config.warmup_steps}, "
+                f"but the checkpoint was saved with warmup_steps={saved_warmup}. The new warm-up applies."
+            )
         self._verify_step_pending = True
 
     def verify_step_if_loaded(self) -> None:
         """After a load, check once that every rank resumed at the same count (collective over the group)."""
         if self._verify_step_pending:
             self._verify_step_pending = False
-            self._check_same_across_ranks("the averaging step count after load_state_dict", self.step)
+            _agree_across_ranks(
+                "the averaging step count after load_state_dict (checked at the first step after construction "
+                "or loading)",
+                self.step,
+                self.process_group,
+                fix="Load the same checkpoint on every rank (or on none) before stepping.",
+            )
 
     def _check_same_across_ranks(self, what: str, value: object) -> None:
-        device = _collective_device(self.process_group)
-        mine = torch.tensor([_digest(value)], dtype=torch.int64, device=device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self.process_group)
-        if all(int(t) == int(mine) for t in everyone):
-            return
-        values: list = [None] * self.world_size
-        dist.all_gather_object(values, value, group=self.process_group)
-        ranks = dist.get_process_group_ranks(self.process_group)
-        for index, other in enumerate(values):
-            if other != values[0]:
-                raise RuntimeError(
-                    f"Ranks disagree on {what}: rank {ranks[0]} has {values[0]!r}, rank {ranks[index]} has "
-                    f"{other!r}. Every rank must use the same settings and resume from the same checkpoint."
-                )
+        _agree_across_ranks(what, value, self.process_group)
 
 
 class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
@@ -307,9 +404,11 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             logger every this many steps; ``None`` (default) never logs.
 
     Raises:
-        ValueError: for an invalid setting, naming it, on every rank before any collective.
+        ValueError: for an invalid setting, naming it, before any averaging collective.
         TypeError: if ``optimizer`` has no ``param_groups`` or ``step``, or is already wrapped.
-        RuntimeError: if the ranks were given different settings.
+        RuntimeError: if the ranks were given different settings, or another rank's settings were
+            invalid (that rank raises the ValueError or TypeError; the others, in the constructor's
+            one agreement collective, a RuntimeError naming it, instead of waiting for it).
 
     Example::
 
@@ -336,21 +435,27 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         buffers: Iterable[torch.Tensor] | None = None,
         log_metrics_every: int | None = None,
     ) -> None:
-        if isinstance(optimizer, HierarchicalAveragingOptimizer):
-            raise TypeError("optimizer is already a HierarchicalAveragingOptimizer: wrap the inner optimizer once.")
-        if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer (with param_groups and step()), "
-                f"got {type(optimizer).__name__}."
+        try:
+            if isinstance(optimizer, HierarchicalAveragingOptimizer):
+                raise TypeError("optimizer is already a HierarchicalAveragingOptimizer: wrap the inner optimizer once.")
+            if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+                raise TypeError(
+                    f"optimizer must be a torch.optim.Optimizer (with param_groups and step()), "
+                    f"got {type(optimizer).__name__}."
+                )
+            config = AveragingConfig.create(
+                period_group_size_dict,
+                warmup_steps=warmup_steps,
+                ranks_per_replica=ranks_per_replica,
+                bucket_cap_mb=bucket_cap_mb,
             )
-        config = AveragingConfig.create(
-            period_group_size_dict,
-            warmup_steps=warmup_steps,
-            ranks_per_replica=ranks_per_replica,
-            bucket_cap_mb=bucket_cap_mb,
-        )
-        if isinstance(buffers, torch.Tensor):
-            raise TypeError("buffers must be an iterable of tensors, e.g. model.buffers(), got a single Tensor.")
+            if isinstance(buffers, torch.Tensor):
+                raise TypeError("buffers must be an iterable of tensors, e.g. model.buffers(), got a single Tensor.")
+            _check_log_metrics_every(log_metrics_every)
+        except (TypeError, ValueError) as exc:
+            # Raised here; the other ranks of process_group raise a RuntimeError naming this rank
+            # (in the agreement they are about to enter) instead of waiting for it.
+            _raise_on_every_rank(exc, process_group, "the averaging config")
         self.optimizer = optimizer
         self.buffers = [b for b in (() if buffers is None else buffers) if b.is_floating_point()]
         # torch.optim.Optimizer's own bookkeeping, without its __init__ (which would assign
@@ -500,12 +605,19 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         inner = dict(state_dict)
         ours = inner.pop(STATE_KEY, None)
         torch_step = inner.pop("step", None)
-        self.optimizer.load_state_dict(inner)
+        # The averaging state is checked first, and restored if the inner optimizer rejects its part:
+        # a rejected state dict changes neither the inner optimizer nor the count.
+        previous = (self.averager.step, self.averager._verify_step_pending)
         if ours is not None:
             self.averager.load_state_dict(ours)
         elif torch_step is not None:
-            self.averager.load_state_dict({"step": int(torch_step)})
-        else:
+            self.averager.load_state_dict({"step": torch_step})
+        try:
+            self.optimizer.load_state_dict(inner)
+        except BaseException:
+            self.averager.step, self.averager._verify_step_pending = previous
+            raise
+        if ours is None and torch_step is None:
             _warn_at_caller(
                 "Loaded state dict does not contain a step counter for the averager. Setting step counter to 0."
             )
