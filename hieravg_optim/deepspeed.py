@@ -170,6 +170,14 @@ def parse_section(section: Any) -> SectionSettings:
     return settings
 
 
+def _auto_ranks_per_replica_source() -> str:
+    """Which environment variable ``"ranks_per_replica": "auto"`` reads, with its value."""
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(var) is not None:
+            return f"{var}={os.environ[var]}"
+    return "no environment variable"
+
+
 def _resolve_ranks_per_replica(settings: SectionSettings) -> int:
     if settings.ranks_per_replica is not None:
         return settings.ranks_per_replica
@@ -733,7 +741,17 @@ def initialize(
         try:
             averaging_config.check_world_size(dist.get_world_size())
         except ValueError as exc:
-            error = exc
+            origin = (
+                f'"ranks_per_replica": "auto" resolved to {averaging_config.ranks_per_replica} from '
+                f"{_auto_ranks_per_replica_source()} (the ranks of one node); set it explicitly if that is not "
+                "what you want"
+                if settings.ranks_per_replica is None
+                else f'"ranks_per_replica": {settings.ranks_per_replica}'
+            )
+            error = ValueError(
+                f'DeepSpeed config section "{SECTION}", key "period_group_size" {dict(settings.period_group_size)} '
+                f"with {origin}, world size {dist.get_world_size()}: {exc}"
+            )
     # Every rank must resolve the same settings ("auto" follows LOCAL_WORLD_SIZE, which differs between
     # nodes running different numbers of ranks) before any replica group is created: else new_group hangs.
     _agree_across_ranks(
