@@ -244,6 +244,13 @@ class AveragingConfig:
                     f"{upper.group_size} (period {upper.period}): the levels' groups do not nest, so this is "
                     "not a hierarchy. It is legal, as in torch, but rarely intended.",
                 )
+        if world_size == s:
+            _warn_at_caller(
+                f"ranks_per_replica={s} is the size of the process group: there is a single replica, so "
+                "hierarchical averaging never averages anything. Lower ranks_per_replica (e.g. to the ranks of "
+                "one node).",
+            )
+            return
         for level in self.levels[:-1]:
             if level.group_size == s:
                 _warn_at_caller(

@@ -783,14 +783,6 @@ def initialize(
     if not settings.enabled:
         return _build({})
 
-    world_size = dist.get_world_size()
-    if rpr == world_size:
-        warnings.warn(
-            f"ranks_per_replica={rpr} is the world size: there is a single replica, so hierarchical averaging never "
-            "changes anything. Lower ranks_per_replica (e.g. to the ranks of one node).",
-            UserWarning,
-            stacklevel=2,
-        )
     replica_mpu = ReplicaParallelUnit(rpr)
     engine, ds_optimizer, dataloader, scheduler = _build({"mpu": replica_mpu})
     assert engine.optimizer is not None, "DeepSpeed built no optimizer although one was given"
@@ -802,7 +794,7 @@ def initialize(
     if dist.get_rank() == 0:
         logger.info(
             "hierarchical averaging on DeepSpeed: %d replicas of %d ranks (ZeRO stage %d, %s); levels %s, warmup %d",
-            world_size // rpr,
+            dist.get_world_size() // rpr,
             rpr,
             engine.zero_optimization_stage(),
             state.kind,

@@ -99,6 +99,9 @@ def test_non_nested_and_useless_levels_warn():
         AveragingConfig.create({2: 4, 4: 6, 8: 12}).check_world_size(12)
     with pytest.warns(UserWarning, match="never averages anything"):
         AveragingConfig.create({2: 2, 4: 8}, ranks_per_replica=2).check_world_size(8)
+    with pytest.warns(UserWarning, match="single replica") as record:
+        AveragingConfig.create({4: 4}, ranks_per_replica=4).check_world_size(4)
+    assert record[0].filename == __file__
 
 
 # --------------------------------------------------------------------------------------------------
