@@ -63,7 +63,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp._flat_param import FlatParameter
 
-from .optimizer import HierarchicalAveragingOptimizer
+from .optimizer import HierarchicalAveragingOptimizer, _agree_across_ranks
 from .schedule import AveragingLevel
 
 try:  # torch >= 2.6
@@ -561,7 +561,23 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: if ``path/replica_<r>`` does not exist (e.g. fewer replicas were saved).
+        RuntimeError: on the other ranks, naming the rank that failed to load (instead of waiting for it).
     """
+    error: BaseException | None = None
+    try:
+        _load_replica(path, module, optimizer)
+    except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+        error = exc
+    # Replaces a barrier: a replica that failed (its folder missing: fewer replicas were saved) raises its
+    # error, every other rank a RuntimeError naming it, instead of waiting in the next collective.
+    _agree_across_ranks(
+        "the checkpoint load", None, None, error=error, fix="Resume with the mesh shape that saved the checkpoint."
+    )
+
+
+def _load_replica(
+    path: str | os.PathLike, module: nn.Module, optimizer: FSDPHierarchicalAveragingOptimizer
+) -> None:
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
@@ -588,4 +604,3 @@ def load_checkpoint(
         set_model_state_dict(module, state["model"])
         _load_flat_optimizer_state(optimizer, state["optim_flat"])
     optimizer.averager.load_state_dict(state["hierarchical_averaging"])
-    dist.barrier()

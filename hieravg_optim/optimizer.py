@@ -121,7 +121,7 @@ def _agree_across_ranks(
             f"Rank {ranks[index]} failed while checking {what}"
             + (f" (ranks {others} failed too)" if others else "")
             + f": {gathered[index][1]} This rank ({dist.get_rank()}) raises too, so that no rank waits "
-            "in a collective the failed rank never enters. Fix the setting on that rank."
+            f"in a collective the failed rank never enters. {fix}"
         )
     values = [v for v, _ in gathered]
     for index, other in enumerate(values):

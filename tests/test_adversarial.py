@@ -409,3 +409,48 @@ def test_config_numbers_are_plain_python_numbers():
     for bad, pattern in [(4.0, "warmup_steps .*got 4.0"), ("4", "warmup_steps .*got '4'"), (None, "got None")]:
         with pytest.raises(ValueError, match=pattern):
             AveragingConfig.create({2: 2}, warmup_steps=bad)
+
+
+# --------------------------------------------------------------------------------------------------
+# FSDP: resuming with more replicas than were saved
+# --------------------------------------------------------------------------------------------------
+def _fsdp_missing_replica(rank: int, world_size: int, folder: str) -> dict:
+    """Replica 1's checkpoint folder is missing (as when resuming with more replicas than saved): its ranks raise
+    FileNotFoundError, replica 0's ranks a RuntimeError naming them (before: replica 0 waited in a barrier until
+    the process group's timeout)."""
+    import shutil
+
+    from hieravg_optim.fsdp import (
+        FSDPHierarchicalAveragingOptimizer,
+        init_replicate_shard_mesh,
+        load_checkpoint,
+        save_checkpoint,
+        shard_replica,
+    )
+
+    torch.set_num_threads(1)
+    mesh = init_replicate_shard_mesh(2, "cpu")
+    torch.manual_seed(0)
+    model = shard_replica(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1)), mesh, fsdp_version=2)
+    opt = FSDPHierarchicalAveragingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, mesh, {2: 4})
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    save_checkpoint(folder, model, opt)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(os.path.join(folder, "replica_1"))
+    dist.barrier()
+    expected = FileNotFoundError if rank >= 2 else RuntimeError
+    name, message, seconds = _raises(lambda: load_checkpoint(folder, model, opt), expected)
+    assert seconds < PG_TIMEOUT / 2, seconds
+    if rank < 2:
+        assert message.startswith("Rank 2 failed while checking the checkpoint load (ranks [3] failed too): "), message
+        assert "FileNotFoundError: No checkpoint for replica 1" in message, message
+        assert "Resume with the mesh shape" in message, message
+    _group_still_works(rank, world_size)
+    return {"error": name}
+
+
+def test_fsdp_resume_with_a_missing_replica_raises_on_every_rank(tmp_path):
+    results = run_distributed(_fsdp_missing_replica, 4, str(tmp_path), timeout=180, pg_timeout=PG_TIMEOUT)
+    assert [r["error"] for r in results] == ["RuntimeError"] * 2 + ["FileNotFoundError"] * 2
