@@ -508,6 +508,15 @@ def _install_hooks(engine: Any, state: DeepSpeedAveraging) -> None:
     def load_checkpoint(load_dir, tag=None, *args: Any, **kwargs: Any):
         folder = replica_checkpoint_dir(load_dir, state.replica_index)
         load_path, client_state = original_load(folder, tag, *args, **kwargs)
+        # DeepSpeed only logs a warning for a missing checkpoint: a replica without one (resuming with more
+        # replicas than were saved) would silently start from fresh weights while the others resume.
+        _agree_across_ranks(
+            f"whether their replica found a checkpoint under {os.fspath(load_dir)}/replica_<k> (True: found)",
+            load_path is not None,
+            None,
+            fix="Every replica loads its own folder: resume with the world size and ranks_per_replica that saved "
+            "the checkpoint, or on none of the replicas.",
+        )
         if load_path is None:
             return load_path, client_state
         client_state = dict(client_state or {})

@@ -334,7 +334,7 @@ def test_a_dead_rank_fails_its_peers_instead_of_hanging(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # DeepSpeed: the section differs across ranks
 # --------------------------------------------------------------------------------------------------
-def _deepspeed_asymmetric(rank: int, world_size: int) -> dict:
+def _deepspeed_asymmetric(rank: int, world_size: int, folder: str) -> dict:
     """Before: each case hung (new_group / the averager's check waiting for ranks that built other groups)."""
     import hieravg_optim.deepspeed as hds
     from tests.test_deepspeed import _client_optimizer, _config, _model
@@ -364,13 +364,39 @@ def _deepspeed_asymmetric(rank: int, world_size: int) -> dict:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+    out["missing_replica_checkpoint"] = _deepspeed_missing_replica(rank, folder)
     _group_still_works(rank, world_size)
     return out
 
 
-def test_deepspeed_section_differing_across_ranks_raises_on_every_rank():
+def _deepspeed_missing_replica(rank: int, folder: str) -> str:
+    """Replica 1 has no checkpoint (as when resuming with more replicas than saved): RuntimeError on every rank at
+    load_checkpoint (before: DeepSpeed only logged a warning there, and replica 1 trained on from fresh weights)."""
+    import shutil
+
+    import hieravg_optim.deepspeed as hds
+    from tests.test_deepspeed import _client_optimizer, _config, _micro_step, _model
+
+    section = {"period_group_size": {"2": 4}, "ranks_per_replica": 2}
+
+    def build():
+        model = _model()
+        return hds.initialize(model=model, optimizer=_client_optimizer(model), config=_config(1, "fp32", 1, section))[0]
+
+    engine = build()
+    _micro_step(engine, rank, 0)
+    engine.save_checkpoint(folder, tag="t1")
+    if rank == 0:
+        shutil.rmtree(os.path.join(folder, "replica_1"))
+    dist.barrier()
+    _, message, seconds = _raises(lambda: build().load_checkpoint(folder), RuntimeError)
+    assert seconds < 120, seconds
+    return message
+
+
+def test_deepspeed_section_differing_across_ranks_raises_on_every_rank(tmp_path):
     pytest.importorskip("deepspeed")
-    results = run_distributed(_deepspeed_asymmetric, 4, timeout=300, pg_timeout=300)
+    results = run_distributed(_deepspeed_asymmetric, 4, str(tmp_path), timeout=300, pg_timeout=300)
     for rank, r in enumerate(results):
         auto = r["auto_differs"]
         assert auto.startswith("RuntimeError: Ranks disagree on the \"hierarchical_averaging\" section"), auto
@@ -389,6 +415,9 @@ def test_deepspeed_section_differing_across_ranks_raises_on_every_rank():
             assert 'key "ranks_per_replica" must be a positive integer (ranks) or "auto", got \'2\'' in text, text
         else:
             assert text.startswith("RuntimeError: Rank 2 failed while checking"), text
+        missing = r["missing_replica_checkpoint"]
+        assert missing.startswith("Ranks disagree on whether their replica found a checkpoint under"), missing
+        assert "rank 0 has True, rank 2 has False" in missing and "resume with the world size" in missing, missing
 
 
 # --------------------------------------------------------------------------------------------------
