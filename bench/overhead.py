@@ -6,7 +6,7 @@ Run (about 1 minute on 2 CPU cores)::
 
 On 2 gloo ranks (rank 0 times, rank 1 waits, so they do not compete for cores), blocks
 of about ``--block-seconds`` of optimizer steps, interleaved in alternating order, of (a) the bare inner optimizer and (b) the same optimizer class wrapped
-in :class:`hieravg_optim.HierarchicalAveragingOptimizer` (levels ``{4096: 2}``, warmup 1,
+in :class:`hieravg_optim.HierarchicalAveragingOptimizer` (levels ``{2**30: 2}``, warmup 1,
 so no step of the measured blocks averages; asserted through ``metrics()``), each on its
 own copy of the parameters with fixed gradients. Reported: the median block time per
 step of each, and their ratio (target <= 1.02), per model and inner optimizer; and,
@@ -30,6 +30,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import environment, median, spawn, transformer_shapes, write_json  # noqa: E402
+
+
+PERIOD = 1 << 30
+"""The only level's period: far beyond the steps taken, so no measured step averages."""
 
 
 def _params(kind: str, torch):
@@ -56,12 +60,14 @@ def _rank(rank: int, world_size: int, models: list[str], blocks: int, target_blo
     out = []
     for model in models:
         for name, make in inner.items():
-            wrapped = HierarchicalAveragingOptimizer(make(_params(model, torch)), {4096: world_size}, warmup_steps=1)
+            wrapped = HierarchicalAveragingOptimizer(make(_params(model, torch)), {PERIOD: world_size}, warmup_steps=1)
+            # Count 0 is in warmup: no averaging. Every rank takes this first step: it is where the
+            # ranks check, once, that they agree on the count (a collective).
+            wrapped.step()
             if rank != 0:
                 continue  # only rank 0 times, so the ranks do not compete for the cores
             bare = make(_params(model, torch))
-            wrapped.step()  # count 0 is in warmup: no averaging, state initialised like bare's below
-            bare.step()
+            bare.step()  # state initialised like the wrapped one's
             # Steps per block so that one block takes about target_block_s.
             t0 = time.perf_counter()
             for _ in range(5):
@@ -79,7 +85,7 @@ def _rank(rank: int, world_size: int, models: list[str], blocks: int, target_blo
             # The wrapper's own work on a non-averaging step, isolated: wrapped.step() with the inner
             # step replaced by a no-op on this instance (hooks, schedule, count): µs, less noisy.
             averager = wrapped.averager
-            n_iso = 4000  # counts 1 .. 4000: below the period 4096, so none averages
+            n_iso = 4000
             iso = []
             wrapped.optimizer.step = lambda *a, **k: None
             try:
@@ -93,7 +99,7 @@ def _rank(rank: int, world_size: int, models: list[str], blocks: int, target_blo
                 del wrapped.optimizer.step
             rounds = sum(m["rounds"] for m in wrapped.metrics().values())
             assert rounds == 0, f"a measured step averaged ({rounds} rounds): not a non-averaging step"
-            assert wrapped.averaging_step < 4096, wrapped.averaging_step
+            assert wrapped.averaging_step < PERIOD, wrapped.averaging_step
             med = {k: median(v) for k, v in times.items()}
             out.append(
                 {
