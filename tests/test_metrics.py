@@ -1,7 +1,6 @@
 """The metrics API: per level rounds, bytes and seconds, readable as a dict, logged every N steps.
 
-One spawn of 4 gloo ranks runs every distributed scenario; the argument checks need no
-process group. Expected values are computed by hand from the model (bytes) and from
+One spawn of 4 gloo ranks runs every scenario. Expected values are computed by hand from the model (bytes) and from
 :func:`hieravg_optim.schedule.rounds_per_level` (rounds).
 """
 
@@ -24,6 +23,7 @@ from .harness import run_distributed
 pytestmark = pytest.mark.timeout(120)
 
 WORLD_SIZE = 4
+BAD_LOG_EVERY = (0, -2, 2.5, True, "10")
 METRIC_KEYS = {"period", "group_size", "subgroup_size", "rounds", "payload_bytes", "bytes_sent", "seconds"}
 
 
@@ -128,6 +128,25 @@ def _scenarios(rank: int, world_size: int) -> dict:
     finally:
         log.removeHandler(handler)
         log.setLevel(old_level)
+
+    # 5. A bad log_metrics_every: ValueError naming the value, on every rank (no hang, no group left half-built).
+    rejected = {}
+    for bad in BAD_LOG_EVERY:
+        errors = []
+        model, _ = _model()
+        for build in (
+            lambda: HierarchicalAveragingOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), {2: world_size}, log_metrics_every=bad
+            ),
+            lambda: HierarchicalAverager(AveragingConfig.create({2: world_size}), log_metrics_every=bad),
+        ):
+            try:
+                build()
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(str(exc))
+        rejected[repr(bad)] = errors
+    out["rejected"] = rejected
     return out
 
 
@@ -186,11 +205,9 @@ def test_logging_at_most_once_per_n_steps(results):
         assert log["silent_records"] == 0
 
 
-@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "10"])
-def test_log_metrics_every_rejected_before_any_collective(bad):
-    # No process group exists here: the check must come first, with the value and the fix.
-    model, _ = _model()
-    with pytest.raises(ValueError, match=rf"log_metrics_every must be a positive integer.*{bad!r}"):
-        HierarchicalAveragingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), {2: 2}, log_metrics_every=bad)
-    with pytest.raises(ValueError, match="log_metrics_every"):
-        HierarchicalAverager(AveragingConfig.create({2: 2}), log_metrics_every=bad)
+def test_log_metrics_every_rejected_on_every_rank(results):
+    for rank, res in enumerate(results):
+        for bad in BAD_LOG_EVERY:
+            for message in res["rejected"][repr(bad)]:
+                assert message is not None, (rank, bad)
+                assert "log_metrics_every must be a positive integer" in message and repr(bad) in message, message
