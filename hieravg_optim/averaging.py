@@ -186,9 +186,16 @@ def average_tensors_(
         TypeError: for a tensor that is not floating point or complex.
     """
     by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
+    for index, t in enumerate(tensors):
         if not (t.is_floating_point() or t.is_complex()):
             raise TypeError(f"Only floating-point tensors can be averaged, got dtype {t.dtype} of shape {tuple(t.shape)}.")
+        if _overlaps_itself(t):
+            # Checked before any collective; ranks that differ in this fail check_agreement instead.
+            raise TypeError(
+                f"Tensor {index} to average (shape {tuple(t.shape)}, strides {t.stride()}) is internally overlapping "
+                "(e.g. made by expand()): several of its elements share one memory location, so it cannot hold "
+                "their means. Average the tensor it was expanded from, or pass a .clone()."
+            )
         if t.numel() == 0:
             continue
         by_key.setdefault((t.device, accumulation_dtype(t.dtype)), []).append(t)
@@ -229,9 +236,26 @@ def average_tensors_(
     return payload
 
 
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether some elements of ``t`` share a memory location (a stride of 0, as from ``expand()``)."""
+    if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+        return True
+    return torch._debug_has_internal_overlap(t) == 1
+
+
 def tensor_signature(tensors: Sequence[torch.Tensor]) -> list[tuple[tuple[int, ...], str]]:
-    """(shape, dtype) of each tensor, in order: what the ranks of a group must agree on."""
-    return [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
+    """(shape, dtype) of each tensor, in order: what the ranks of a group must agree on.
+
+    An internally overlapping tensor (which :func:`average_tensors_` rejects) is marked in its
+    dtype entry, so that ranks differing in this disagree here, before any averaging collective.
+    """
+    return [
+        (
+            tuple(t.shape),
+            str(t.dtype).removeprefix("torch.") + (", internally overlapping" if _overlaps_itself(t) else ""),
+        )
+        for t in tensors
+    ]
 
 
 def _collective_device(group: dist.ProcessGroup) -> torch.device:

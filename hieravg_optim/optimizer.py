@@ -182,6 +182,7 @@ class HierarchicalAverager:
         log_metrics_every: int | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
+            _check_log_metrics_every(log_metrics_every)  # a bad value is named first, as with a process group
             raise RuntimeError(
                 "torch.distributed is not initialized: call torch.distributed.init_process_group() "
                 "(or launch with torchrun / deepspeed) before creating the averager."

@@ -216,6 +216,23 @@ def _aliasing_and_numerics(rank: int, world_size: int) -> dict:
     opt.step()
     assert bool(torch.isnan(c).all()) == (rank in (0, 1)), (rank, c)
     out["nan_after_pair"] = c.tolist()
+
+    # An expanded (stride-0) buffer cannot hold per-element means. On one rank only: RuntimeError on every rank
+    # from the agreement check (before: that rank raised after the collective, the other went on silently);
+    # on every rank: TypeError on every rank, before any averaging collective.
+    d = nn.Parameter(torch.full((4,), float(rank)))
+    expanded = torch.zeros(1).expand(4)
+    opt = HierarchicalAveragingOptimizer(
+        torch.optim.SGD([d], lr=0.0), {1: world_size}, buffers=[expanded if rank == 1 else torch.zeros(4)]
+    )
+    _, out["expanded_one_rank"], _ = _raises(opt.step, RuntimeError)
+    assert "Ranks 0 and 1" in out["expanded_one_rank"], out["expanded_one_rank"]
+    assert "dtype float32 vs shape (4,) dtype float32, internally overlapping" in out["expanded_one_rank"]
+    opt = HierarchicalAveragingOptimizer(torch.optim.SGD([d], lr=0.0), {1: world_size}, buffers=[expanded])
+    _, message, _ = _raises(opt.step, TypeError)
+    assert "Tensor 1 to average (shape (4,), strides (0,)) is internally overlapping" in message, message
+    assert torch.equal(d.detach(), torch.full((4,), float(rank))), "a rejected round changed the parameters"
+    _group_still_works(rank, world_size)
     return out
 
 
