@@ -364,6 +364,7 @@ def _deepspeed_asymmetric(rank: int, world_size: int, folder: str) -> dict:
         "bad_on_rank_1": (dict(base, warmup_steps=-1) if rank == 1 else base, {}),
         "warmup_on_rank_3": (dict(base, warmup_steps=3) if rank == 3 else base, {}),
         "string_number_on_rank_2": (dict(base, ranks_per_replica="2") if rank == 2 else base, {}),
+        "disabled_on_rank_0": (dict(base, enabled=False) if rank == 0 else base, {}),
     }
     out = {}
     for label, (section, env) in cases.items():
@@ -432,6 +433,9 @@ def test_deepspeed_section_differing_across_ranks_raises_on_every_rank(tmp_path)
             assert 'key "ranks_per_replica" must be a positive integer (ranks) or "auto", got \'2\'' in text, text
         else:
             assert text.startswith("RuntimeError: Rank 2 failed while checking"), text
+        disabled = r["disabled_on_rank_0"]
+        assert disabled.startswith('RuntimeError: Ranks disagree on the "hierarchical_averaging" section'), disabled
+        assert "rank 0 has 'disabled', rank 1 has {'levels'" in disabled, disabled
         missing = r["missing_replica_checkpoint"]
         assert missing.startswith("Ranks disagree on whether their replica found a checkpoint under"), missing
         assert "rank 0 has True, rank 2 has False" in missing and "resume with the world size" in missing, missing
@@ -488,15 +492,27 @@ def _fsdp_missing_replica(rank: int, world_size: int, folder: str) -> dict:
     dist.barrier()
     expected = FileNotFoundError if rank >= 2 else RuntimeError
     name, message, seconds = _raises(lambda: load_checkpoint(folder, model, opt), expected)
+    out = {"error": name}
     assert seconds < PG_TIMEOUT / 2, seconds
     if rank < 2:
         assert message.startswith("Rank 2 failed while checking the checkpoint load (ranks [3] failed too): "), message
         assert "FileNotFoundError: No checkpoint for replica 1" in message, message
         assert "Resume with the mesh shape" in message, message
+    # The adapter's settings differing across ranks: the core's agreement, on every rank.
+    build = lambda **kw: FSDPHierarchicalAveragingOptimizer(  # noqa: E731
+        torch.optim.SGD(model.parameters(), lr=0.1), model, mesh, {2: 4}, **kw
+    )
+    bad_cap = {"bucket_cap_mb": -1.0} if rank == 3 else {}
+    _, message, _ = _raises(lambda: build(**bad_cap), ValueError if rank == 3 else RuntimeError)
+    assert "bucket_cap_mb must be a positive, finite number of MB, got -1.0" in message, message
+    out["bad_cap"] = message
+    _, message, _ = _raises(lambda: build(warmup_steps=rank), RuntimeError)
+    assert "Ranks disagree on the averaging config" in message and "'warmup_steps': 1" in message, message
     _group_still_works(rank, world_size)
-    return {"error": name}
+    return out
 
 
 def test_fsdp_resume_with_a_missing_replica_raises_on_every_rank(tmp_path):
     results = run_distributed(_fsdp_missing_replica, 4, str(tmp_path), timeout=180, pg_timeout=PG_TIMEOUT)
     assert [r["error"] for r in results] == ["RuntimeError"] * 2 + ["FileNotFoundError"] * 2
+    assert [r["bad_cap"].startswith("Rank 3 failed while checking") for r in results] == [True] * 3 + [False]
