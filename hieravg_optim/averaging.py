@@ -271,8 +271,10 @@ def _digest(obj: object) -> int:
 
 
 def _describe_difference(a: list, b: list) -> str:
-    if a[0] != b[0]:
-        return f"{a[0]!r} vs {b[0]!r}"
+    """The first difference between two ``[context, signature]`` pairs, in words."""
+    for key in a[0]:
+        if a[0][key] != b[0].get(key):
+            return f"{key} {a[0][key]!r} vs {b[0].get(key)!r}"
     sig_a, sig_b = a[1], b[1]
     for i, (x, y) in enumerate(zip(sig_a, sig_b)):
         if x != y:
@@ -285,7 +287,7 @@ def check_agreement(
     group: dist.ProcessGroup,
     group_ranks: Sequence[int],
     *,
-    context: tuple,
+    context: dict[str, object],
     what: str,
 ) -> None:
     """Check that every rank of ``group`` is about to average the same tensors.
@@ -301,7 +303,7 @@ def check_agreement(
         tensors: The tensors this rank is about to average.
         group: The averaging process group.
         group_ranks: Global ranks of ``group``, in group-rank order.
-        context: Anything else the ranks must agree on (step count, bucket size).
+        context: Anything else the ranks must agree on, by name (e.g. ``{"step count": 5}``).
         what: Names the averaging round in the error message.
 
     Raises:

@@ -272,9 +272,9 @@ class HierarchicalAverager:
             tensors,
             lg.group,
             lg.ranks,
-            context=(self.step, self.config.bucket_cap_mb),
+            context={"step count": self.step, "bucket_cap_mb": self.config.bucket_cap_mb},
             what=f"the parameters to average at step {self.step} (period {lg.level.period}, group size "
-            f"{lg.level.group_size}); the first item is (step count, bucket_cap_mb)",
+            f"{lg.level.group_size})",
         )
         with torch.no_grad():
             payload = average_tensors_(

@@ -587,6 +587,7 @@ def test_grad_none_on_some_ranks(results):
 def test_disagreement_raises_on_every_rank(results):
     for rank, r in enumerate(results):
         assert "Ranks 0 and 3" in r["disagreement"]["shape"]
+        assert "): tensor " in r["disagreement"]["shape"] and " vs shape " in r["disagreement"]["shape"]
         assert "Ranks 0 and 5" in r["disagreement"]["count"]
         assert ("dtype" in r["disagreement"]) == (rank >= 4)
 
