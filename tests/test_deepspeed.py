@@ -15,7 +15,7 @@ trains on its own data, so the replicas differ until they average.
   exactly, with the config's optimizer and scheduler, and with a client scheduler.
 * An overflow (inf gradients) forced in one replica only, with bf16 loss checking
   (fp16 where the CPU supports it): no hang, equal step counts, the step skipped in one
-  replica only.
+  replica only. fp16 on CPUs without mkldnn fp16: tests/test_deepspeed_fp16.py.
 * Checkpoint save / load: the resumed run equals the uninterrupted one.
 * Bad sections: ``ValueError`` on every rank, before any engine exists.
 
@@ -482,7 +482,8 @@ def test_without_section_is_plain_deepspeed(results):
 def test_overflow_in_one_replica_only(results, case):
     if case not in results[0]["overflow"]:
         pytest.skip("fp16 is not supported by DeepSpeed's CPU accelerator on this machine "
-                    "(torch.ops.mkldnn._is_mkldnn_fp16_supported() is False)")  # fmt: skip
+                    "(torch.ops.mkldnn._is_mkldnn_fp16_supported() is False); tests/test_deepspeed_fp16.py "
+                    "runs DeepSpeed's fp16 path here with only that capability check overridden")  # fmt: skip
     for rank, per_rank in enumerate(results):
         r = per_rank["overflow"][case]
         assert r["count"] == 4 == r["global_steps"], (rank, r)
