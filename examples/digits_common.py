@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -16,14 +17,20 @@ import torch
 import torch.distributed as dist
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
+from tqdm import tqdm
+
+from hieravg_optim import HierarchicalAverager, rounds_per_level
 
 __all__ = [
     "DigitsShard",
+    "averaging_metrics",
     "batches",
     "build_mlp",
     "evaluate",
     "load_digits_shard",
     "replicas_identical",
+    "steps_per_epoch",
+    "train_epochs",
     "write_metrics",
 ]
 
@@ -113,3 +120,84 @@ def write_metrics(path: str | os.PathLike, metrics: dict) -> None:
     with open(path, "w") as f:
         json.dump(metrics, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def steps_per_epoch(data: DigitsShard, batch_size: int, rank: int, world_size: int) -> int:
+    """Optimizer steps per epoch, the same on every rank: the smallest share // ``batch_size``.
+
+    Every rank must step the same number of times, or averaging collectives would wait forever.
+    Exits with status 2 and a message (from rank 0) when a batch is larger than the smallest share.
+
+    .. warning:: Collective over the default process group (one all-reduce).
+    """
+    smallest = torch.tensor([len(data.y_train)])
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    steps = int(smallest) // batch_size
+    if steps == 0:
+        if rank == 0:
+            print(
+                f"error: --batch-size {batch_size} is larger than the smallest rank's share of the training "
+                f"set ({int(smallest)} samples with {world_size} ranks): use --batch-size {int(smallest)} or less.",
+                file=sys.stderr,
+            )
+        raise SystemExit(2)
+    return steps
+
+
+def train_epochs(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    data: DigitsShard,
+    *,
+    epochs: int,
+    steps: int,
+    batch_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    desc: str,
+) -> list[float]:
+    """Train ``epochs`` x ``steps`` optimizer steps on this rank's share; rank 0 shows a progress bar.
+
+    Returns:
+        The loss curve: per epoch, the mean training loss over the epoch's steps and all ranks.
+
+    .. warning:: Collective over the default process group (one all-reduce per epoch, and ``opt``'s own).
+    """
+    loss_fn = torch.nn.CrossEntropyLoss()
+    loss_curve = []
+    bar = tqdm(total=epochs * steps, disable=rank != 0, desc=desc, unit="step", mininterval=0.5)
+    for epoch in range(epochs):
+        epoch_loss = torch.zeros(1, dtype=torch.float64)
+        epoch_batches = batches(data.x_train, data.y_train, batch_size, epoch=epoch, seed=seed + rank)
+        for _, (x, y) in zip(range(steps), epoch_batches):
+            opt.zero_grad()
+            loss = loss_fn(model(x).float(), y)
+            loss.backward()
+            opt.step()
+            epoch_loss += loss.item()
+            bar.update(1)
+        dist.all_reduce(epoch_loss)
+        loss_curve.append(epoch_loss.item() / (steps * world_size))
+        bar.set_postfix(loss=f"{loss_curve[-1]:.4f}", epoch=epoch + 1)
+    bar.close()
+    return loss_curve
+
+
+def averaging_metrics(averager: HierarchicalAverager, total_steps: int) -> dict:
+    """The metrics-JSON keys every digits example writes about the averaging, JSON keys as strings.
+
+    ``period_group_size``, ``warmup_steps``, ``rounds_per_level`` (counted by the averager),
+    ``expected_rounds_per_level`` (from the schedule over ``total_steps`` steps) and
+    ``bytes_sent_per_level``. Read them before any final extra averaging, which adds a round.
+    """
+    levels = averager.levels
+    expected = rounds_per_level(0, total_steps, levels, averager.warmup_steps)
+    metrics = averager.metrics()
+    return {
+        "period_group_size": {str(lv.period): lv.group_size for lv in levels},
+        "warmup_steps": averager.warmup_steps,
+        "rounds_per_level": {str(period): m["rounds"] for period, m in metrics.items()},
+        "expected_rounds_per_level": {str(lv.period): n for lv, n in zip(levels, expected)},
+        "bytes_sent_per_level": {str(period): m["bytes_sent"] for period, m in metrics.items()},
+    }

@@ -24,10 +24,18 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
-from digits_common import batches, build_mlp, evaluate, load_digits_shard, replicas_identical, write_metrics
-from hieravg_optim import AveragingConfig, HierarchicalAveragingOptimizer, rounds_per_level
+from digits_common import (
+    averaging_metrics,
+    build_mlp,
+    evaluate,
+    load_digits_shard,
+    replicas_identical,
+    steps_per_epoch,
+    train_epochs,
+    write_metrics,
+)
+from hieravg_optim import AveragingConfig, HierarchicalAveragingOptimizer
 
 
 def default_period_group_size(world_size: int) -> str:
@@ -163,19 +171,8 @@ def _format_levels(levels: dict[int, int]) -> str:
 def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_size: int) -> dict:
     start = time.perf_counter()
     data = load_digits_shard(rank, world_size, non_iid=args.non_iid, seed=args.seed)
-    # Every rank must step the same number of times: take as many batches per epoch as the smallest share allows.
-    smallest = torch.tensor([len(data.y_train)])
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-    steps_per_epoch = int(smallest) // args.batch_size
-    if steps_per_epoch == 0:
-        if rank == 0:
-            print(
-                f"error: --batch-size {args.batch_size} is larger than the smallest rank's share of the training "
-                f"set ({int(smallest)} samples with {world_size} ranks): use --batch-size {int(smallest)} or less.",
-                file=sys.stderr,
-            )
-        raise SystemExit(2)
-    total_steps = steps_per_epoch * args.epochs
+    steps = steps_per_epoch(data, args.batch_size, rank, world_size)
+    total_steps = steps * args.epochs
 
     model = build_mlp(seed=args.seed)  # the same initial weights on every rank
     opt = HierarchicalAveragingOptimizer(
@@ -183,29 +180,11 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
         period_group_size_dict=levels,
         warmup_steps=args.warmup_steps,
     )
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    loss_curve = []  # per epoch: mean training loss over the epoch's steps and all ranks
-    bar = tqdm(total=total_steps, disable=rank != 0, desc="digits", unit="step", mininterval=0.5)
-    for epoch in range(args.epochs):
-        epoch_loss = torch.zeros(1, dtype=torch.float64)
-        epoch_batches = batches(data.x_train, data.y_train, args.batch_size, epoch=epoch, seed=args.seed + rank)
-        for _, (x, y) in zip(range(steps_per_epoch), epoch_batches):
-            opt.zero_grad()
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            epoch_loss += loss.item()
-            bar.update(1)
-        dist.all_reduce(epoch_loss)
-        loss_curve.append(epoch_loss.item() / (steps_per_epoch * world_size))
-        bar.set_postfix(loss=f"{loss_curve[-1]:.4f}", epoch=epoch + 1)
-    bar.close()
-
-    # Rounds per level so far; the final global averaging below would add one to the top level.
-    rounds = {str(period): m["rounds"] for period, m in opt.metrics().items()}
-    sent = {str(period): m["bytes_sent"] for period, m in opt.metrics().items()}
-    expected = rounds_per_level(0, total_steps, opt.averager.levels, args.warmup_steps)
+    loss_curve = train_epochs(
+        model, opt, data, epochs=args.epochs, steps=steps, batch_size=args.batch_size, seed=args.seed,
+        rank=rank, world_size=world_size, desc="digits",
+    )  # fmt: skip
+    averaging = averaging_metrics(opt.averager, total_steps)  # before the final averaging adds a round
 
     # Final global averaging, then check by all-gather that every rank holds the same parameters.
     opt.averager.average(-1, opt.tensors_to_average())
@@ -214,8 +193,7 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
 
     return {
         "world_size": world_size,
-        "period_group_size": {str(p): g for p, g in levels.items()},
-        "warmup_steps": args.warmup_steps,
+        **averaging,
         "epochs": args.epochs,
         "lr": args.lr,
         "batch_size": args.batch_size,
@@ -226,9 +204,6 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
         "final_loss": loss_curve[-1],
         "test_loss": test_loss,
         "test_accuracy": test_accuracy,
-        "rounds_per_level": rounds,
-        "expected_rounds_per_level": {str(lv.period): n for lv, n in zip(opt.averager.levels, expected)},
-        "bytes_sent_per_level": sent,
         "replicas_identical": identical,
         "torch_version": torch.__version__,
         "seconds": time.perf_counter() - start,

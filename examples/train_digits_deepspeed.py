@@ -30,10 +30,17 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from digits_common import batches, build_mlp, evaluate, load_digits_shard, replicas_identical, write_metrics
+from digits_common import (
+    averaging_metrics,
+    batches,
+    build_mlp,
+    evaluate,
+    load_digits_shard,
+    replicas_identical,
+    write_metrics,
+)
 
 import hieravg_optim.deepspeed as hds
-from hieravg_optim import rounds_per_level
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -121,19 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         "torch_version": torch.__version__,
     }
     if averaging is not None:
-        levels = averaging.averager.levels
-        expected = rounds_per_level(0, total_steps, levels, averaging.config.warmup_steps)
-        metrics.update(
-            {
-                "period_group_size": {str(lv.period): lv.group_size for lv in levels},
-                "warmup_steps": averaging.config.warmup_steps,
-                "ranks_per_replica": averaging.config.ranks_per_replica,
-                "averaging_steps": averaging.step,
-                "rounds_per_level": {str(p): m["rounds"] for p, m in averaging.metrics().items()},
-                "expected_rounds_per_level": {str(lv.period): n for lv, n in zip(levels, expected)},
-                "bytes_sent_per_level": {str(p): m["bytes_sent"] for p, m in averaging.metrics().items()},
-            }
-        )
+        metrics.update(averaging_metrics(averaging.averager, total_steps))
+        metrics.update({"ranks_per_replica": averaging.config.ranks_per_replica, "averaging_steps": averaging.step})
         averaging.average_now(-1)  # final global averaging: every replica holds the same weights
     else:
         metrics.update({"period_group_size": None, "rounds_per_level": {}, "ranks_per_replica": world_size})

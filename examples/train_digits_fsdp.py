@@ -26,21 +26,22 @@ import time
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from digits_common import (  # noqa: E402
-    batches,
+    averaging_metrics,
     build_mlp,
     evaluate,
     load_digits_shard,
     replicas_identical,
+    steps_per_epoch,
+    train_epochs,
     write_metrics,
 )
 from train_digits import make_parser as make_base_parser  # noqa: E402
 from train_digits import parse_period_group_size  # noqa: E402
 
-from hieravg_optim import AveragingConfig, rounds_per_level  # noqa: E402
+from hieravg_optim import AveragingConfig  # noqa: E402
 from hieravg_optim.fsdp import (  # noqa: E402
     FSDPHierarchicalAveragingOptimizer,
     init_replicate_shard_mesh,
@@ -136,18 +137,8 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
     start = time.perf_counter()
     shards = args.shards_per_replica
     data = load_digits_shard(rank, world_size, non_iid=args.non_iid, seed=args.seed)
-    smallest = torch.tensor([len(data.y_train)])
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-    steps_per_epoch = int(smallest) // args.batch_size
-    if steps_per_epoch == 0:
-        if rank == 0:
-            print(
-                f"error: --batch-size {args.batch_size} is larger than the smallest rank's share of the training "
-                f"set ({int(smallest)} samples with {world_size} ranks): use --batch-size {int(smallest)} or less.",
-                file=sys.stderr,
-            )
-        raise SystemExit(2)
-    total_steps = steps_per_epoch * args.epochs
+    steps = steps_per_epoch(data, args.batch_size, rank, world_size)
+    total_steps = steps * args.epochs
 
     mesh = init_replicate_shard_mesh(shards, "cpu")
     fsdp_kwargs: dict = {}
@@ -167,30 +158,11 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
     opt = FSDPHierarchicalAveragingOptimizer(
         torch.optim.AdamW(model.parameters(), lr=args.lr), model, mesh, levels, warmup_steps=args.warmup_steps
     )
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    loss_curve = []
-    bar = tqdm(
-        total=total_steps, disable=rank != 0, desc=f"digits FSDP{args.fsdp_version}", unit="step", mininterval=0.5
-    )
-    for epoch in range(args.epochs):
-        epoch_loss = torch.zeros(1, dtype=torch.float64)
-        epoch_batches = batches(data.x_train, data.y_train, args.batch_size, epoch=epoch, seed=args.seed + rank)
-        for _, (x, y) in zip(range(steps_per_epoch), epoch_batches):
-            opt.zero_grad()
-            loss = loss_fn(model(x).float(), y)
-            loss.backward()
-            opt.step()
-            epoch_loss += loss.item()
-            bar.update(1)
-        dist.all_reduce(epoch_loss)
-        loss_curve.append(epoch_loss.item() / (steps_per_epoch * world_size))
-        bar.set_postfix(loss=f"{loss_curve[-1]:.4f}", epoch=epoch + 1)
-    bar.close()
-
-    rounds = {str(period): m["rounds"] for period, m in opt.metrics().items()}
-    sent = {str(period): m["bytes_sent"] for period, m in opt.metrics().items()}
-    expected = rounds_per_level(0, total_steps, opt.averager.levels, args.warmup_steps)
+    loss_curve = train_epochs(
+        model, opt, data, epochs=args.epochs, steps=steps, batch_size=args.batch_size, seed=args.seed,
+        rank=rank, world_size=world_size, desc=f"digits FSDP{args.fsdp_version}",
+    )  # fmt: skip
+    averaging = averaging_metrics(opt.averager, total_steps)  # before the final averaging adds a round
 
     # Final global averaging of the local shards, then check by all-gather that every rank holds the same
     # full parameters (every replica, gathered over its shards).
@@ -205,8 +177,7 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
         "fsdp_version": args.fsdp_version,
         "use_orig_params": bool(args.use_orig_params) if args.fsdp_version == 1 else None,
         "bf16": args.bf16,
-        "period_group_size": {str(p): g for p, g in levels.items()},
-        "warmup_steps": args.warmup_steps,
+        **averaging,
         "epochs": args.epochs,
         "lr": args.lr,
         "batch_size": args.batch_size,
@@ -217,9 +188,6 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
         "final_loss": loss_curve[-1],
         "test_loss": test_loss,
         "test_accuracy": test_accuracy,
-        "rounds_per_level": rounds,
-        "expected_rounds_per_level": {str(lv.period): n for lv, n in zip(opt.averager.levels, expected)},
-        "bytes_sent_per_level": sent,
         "replicas_identical": identical,
         "torch_version": torch.__version__,
         "seconds": time.perf_counter() - start,
