@@ -29,6 +29,7 @@ __all__ = [
     "evaluate",
     "load_digits_shard",
     "replicas_identical",
+    "run_metrics",
     "steps_per_epoch",
     "train_epochs",
     "write_metrics",
@@ -200,4 +201,27 @@ def averaging_metrics(averager: HierarchicalAverager, total_steps: int) -> dict:
         "rounds_per_level": {str(period): m["rounds"] for period, m in metrics.items()},
         "expected_rounds_per_level": {str(lv.period): n for lv, n in zip(levels, expected)},
         "bytes_sent_per_level": {str(period): m["bytes_sent"] for period, m in metrics.items()},
+    }
+
+
+def run_metrics(
+    args, *, world_size: int, steps: int, loss_curve: list[float], test_loss: float, test_accuracy: float,
+    replicas_identical: bool, seconds: float,
+) -> dict:  # fmt: skip
+    """The metrics-JSON keys the torchrun examples share: the run's settings and its results."""
+    return {
+        "world_size": world_size,
+        "epochs": args.epochs,
+        "lr": args.lr,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "non_iid": args.non_iid,
+        "steps": steps,
+        "loss_curve": loss_curve,
+        "final_loss": loss_curve[-1],
+        "test_loss": test_loss,
+        "test_accuracy": test_accuracy,
+        "replicas_identical": replicas_identical,
+        "torch_version": torch.__version__,
+        "seconds": seconds,
     }

@@ -31,6 +31,7 @@ from digits_common import (
     evaluate,
     load_digits_shard,
     replicas_identical,
+    run_metrics,
     steps_per_epoch,
     train_epochs,
     write_metrics,
@@ -192,21 +193,11 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
     test_loss, test_accuracy = evaluate(model, data.x_test, data.y_test)
 
     return {
-        "world_size": world_size,
         **averaging,
-        "epochs": args.epochs,
-        "lr": args.lr,
-        "batch_size": args.batch_size,
-        "seed": args.seed,
-        "non_iid": args.non_iid,
-        "steps": total_steps,
-        "loss_curve": loss_curve,
-        "final_loss": loss_curve[-1],
-        "test_loss": test_loss,
-        "test_accuracy": test_accuracy,
-        "replicas_identical": identical,
-        "torch_version": torch.__version__,
-        "seconds": time.perf_counter() - start,
+        **run_metrics(
+            args, world_size=world_size, steps=total_steps, loss_curve=loss_curve, test_loss=test_loss,
+            test_accuracy=test_accuracy, replicas_identical=identical, seconds=time.perf_counter() - start,
+        ),  # fmt: skip
     }
 
 

@@ -34,6 +34,7 @@ from digits_common import (  # noqa: E402
     evaluate,
     load_digits_shard,
     replicas_identical,
+    run_metrics,
     steps_per_epoch,
     train_epochs,
     write_metrics,
@@ -171,26 +172,16 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
     test_loss, test_accuracy = evaluate(model, data.x_test, data.y_test)
 
     return {
-        "world_size": world_size,
         "replicas": world_size // shards,
         "shards_per_replica": shards,
         "fsdp_version": args.fsdp_version,
         "use_orig_params": bool(args.use_orig_params) if args.fsdp_version == 1 else None,
         "bf16": args.bf16,
         **averaging,
-        "epochs": args.epochs,
-        "lr": args.lr,
-        "batch_size": args.batch_size,
-        "seed": args.seed,
-        "non_iid": args.non_iid,
-        "steps": total_steps,
-        "loss_curve": loss_curve,
-        "final_loss": loss_curve[-1],
-        "test_loss": test_loss,
-        "test_accuracy": test_accuracy,
-        "replicas_identical": identical,
-        "torch_version": torch.__version__,
-        "seconds": time.perf_counter() - start,
+        **run_metrics(
+            args, world_size=world_size, steps=total_steps, loss_curve=loss_curve, test_loss=test_loss,
+            test_accuracy=test_accuracy, replicas_identical=identical, seconds=time.perf_counter() - start,
+        ),  # fmt: skip
     }
 
 
