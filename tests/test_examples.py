@@ -21,16 +21,14 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.harness import default_timeout
+from tests.launch import RANK_LINE, ROOT, check_ok, readme_block, torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_digits.py"
 GOLDEN = ROOT / "tests" / "golden" / "train_digits_w4.json"
 REGEN = os.environ.get("HIERAVG_REGEN_GOLDEN") == "1"
@@ -41,51 +39,6 @@ LOSS_RTOL = 1e-4
 ACCURACY_ATOL = 1.5 / 450  # at most one of the 450 test images classified differently
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def torchrun(
-    nproc: int, script: Path | str, *args: str, timeout: float = 240.0, progress_bar: bool = False
-) -> subprocess.CompletedProcess:
-    """Run ``torchrun --standalone --nproc_per_node nproc script args`` and return its completed process.
-
-    On a timeout the launcher and every rank are killed (they share a new session)
-    and the test fails with the captured output.
-    """
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-        str(script), *args,
-    ]  # fmt: skip
-    # No PYTHONUNBUFFERED: unbuffered, print() writes the text and the newline in two calls, and the
-    # lines of 4 ranks sharing one pipe interleave.
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("PYTHONUNBUFFERED", None)
-    if progress_bar:
-        env.pop("TQDM_DISABLE", None)
-    else:
-        env["TQDM_DISABLE"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    limit = default_timeout(timeout)
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(
-            f"{' '.join(cmd)} did not finish within {limit:.0f} s (hang?).\n--- stdout ---\n{out[-4000:]}\n"
-            f"--- stderr ---\n{err[-8000:]}"
-        )
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def check_ok(result: subprocess.CompletedProcess) -> None:
-    if result.returncode != 0:
-        pytest.fail(
-            f"{' '.join(result.args)} exited with {result.returncode}.\n--- stdout ---\n{result.stdout[-4000:]}\n"
-            f"--- stderr ---\n{result.stderr[-8000:]}"
-        )
 
 
 def hand_rounds(steps: int, levels: dict[int, int], warmup: int) -> dict[str, int]:
@@ -176,14 +129,6 @@ def test_train_digits_without_torchrun_says_how_to_launch():
     assert "launch with torchrun --nproc_per_node N examples/train_digits.py" in result.stderr
 
 
-def readme_block(name: str) -> str:
-    """The fenced code block that follows ``<!-- test:NAME -->`` in the README."""
-    text = (ROOT / "README.md").read_text()
-    match = re.search(rf"<!-- test:{re.escape(name)} -->\s*```[a-z]*\n(.*?)```", text, re.S)
-    assert match, f"README.md has no fenced code block after <!-- test:{name} -->"
-    return match.group(1)
-
-
 @pytest.mark.parametrize("name", ["quickstart", "quickstart_ddp"])
 def test_readme_quickstart_runs(tmp_path, name):
     """The README's quickstarts, pasted into a file and launched on 4 ranks, run and average as documented."""
@@ -192,10 +137,9 @@ def test_readme_quickstart_runs(tmp_path, name):
     result = torchrun(4, script)
     check_ok(result)
     shown = readme_block(f"{name}_output").strip()  # rank 0's line, as shown in the README
-    pattern = r"rank (\d+): loss [0-9.]+, averaging rounds per period (\{[^}]*\})"
-    shown_match = re.fullmatch(pattern, shown)
-    assert shown_match, f"the README's output {shown!r} does not match {pattern!r}"
-    printed = dict(re.findall(pattern, result.stdout))
+    shown_match = re.fullmatch(RANK_LINE, shown)
+    assert shown_match, f"the README's output {shown!r} does not match {RANK_LINE!r}"
+    printed = {m[0]: m[3] for m in re.findall(RANK_LINE, result.stdout)}
     assert sorted(printed) == ["0", "1", "2", "3"], result.stdout
     for rank, rounds in printed.items():
-        assert rounds == shown_match.group(2), f"rank {rank} printed rounds {rounds}, the README shows {shown!r}"
+        assert rounds == shown_match.group(4), f"rank {rank} printed rounds {rounds}, the README shows {shown!r}"

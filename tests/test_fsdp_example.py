@@ -10,54 +10,22 @@ import json
 import math
 import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import default_timeout
+from tests.launch import RANK_LINE, ROOT, check_ok, readme_block, torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_digits_fsdp.py"
 KEYS = {"world_size", "period_group_size", "final_loss", "test_accuracy", "rounds_per_level", "replicas_identical"}
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def _torchrun(
-    nproc: int, *args: str, script: Path = EXAMPLE, cwd: Path = ROOT, timeout: float = 240.0
-) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(script)]
-    cmd += list(args)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    limit = default_timeout(timeout)
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish within {limit:.0f} s (hang?).\n{out[-3000:]}\n{err[-6000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def _fail(result: subprocess.CompletedProcess) -> None:
-    pytest.fail(
-        f"{' '.join(result.args)} exited with {result.returncode}.\n--- stdout ---\n{result.stdout[-3000:]}\n"
-        f"--- stderr ---\n{result.stderr[-6000:]}"
-    )
-
-
 def _run_ok(tmp_path: Path, name: str, *args: str) -> dict:
     out = tmp_path / f"{name}.json"
-    result = _torchrun(4, *args, "--metrics-out", str(out))
-    if result.returncode != 0:
-        _fail(result)
+    result = torchrun(4, EXAMPLE, *args, "--metrics-out", str(out))
+    check_ok(result)
     metrics = json.loads(out.read_text())
     assert KEYS <= metrics.keys(), sorted(KEYS - metrics.keys())
     assert "test accuracy" in result.stdout
@@ -81,29 +49,21 @@ def test_fsdp1_and_fsdp2_reach_the_accuracy_target_with_the_same_trajectory(tmp_
 
 
 def test_bad_group_size_fails_clearly():
-    result = _torchrun(2, "--shards-per-replica", "2", "--period-group-size", "4:1,8:2", timeout=120)
+    result = torchrun(2, EXAMPLE, "--shards-per-replica", "2", "--period-group-size", "4:1,8:2", timeout=120)
     assert result.returncode != 0
     assert "multiple of ranks_per_replica=2" in result.stderr, result.stderr[-3000:]
-
-
-def _readme_block(name: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    match = re.search(rf"<!-- test:{re.escape(name)} -->\s*```[a-z]*\n(.*?)```", text, re.S)
-    assert match, f"README.md has no fenced code block after <!-- test:{name} -->"
-    return match.group(1)
 
 
 def test_readme_fsdp_quickstart_runs_and_checkpoints(tmp_path):
     """The README's FSDP quickstart, pasted into a file and launched on 4 ranks in an empty folder."""
     script = tmp_path / "fsdp_quickstart.py"
-    script.write_text(_readme_block("fsdp_quickstart"))
-    result = _torchrun(4, script=script, cwd=tmp_path)
-    if result.returncode != 0:
-        _fail(result)
-    lines = dict(re.findall(r"^rank (\d): (loss [0-9.]+, averaging rounds per period \{.*\})$", result.stdout, re.M))
+    script.write_text(readme_block("fsdp_quickstart"))
+    result = torchrun(4, script, cwd=tmp_path)
+    check_ok(result)
+    lines = {m[0]: m[1] for m in re.findall(RANK_LINE, result.stdout)}
     assert sorted(lines) == ["0", "1", "2", "3"], result.stdout
     # The README shows rank 0's actual line; the loss up to another CPU kernel path's rounding.
-    shown = re.fullmatch(r"rank 0: loss ([0-9.]+)(, averaging .*)", _readme_block("fsdp_quickstart_output").strip())
+    shown = re.fullmatch(r"rank 0: loss ([0-9.]+)(, averaging .*)", readme_block("fsdp_quickstart_output").strip())
     actual = re.fullmatch(r"loss ([0-9.]+)(, averaging .*)", lines["0"])
     assert shown and actual and shown.group(2) == actual.group(2), (shown, lines["0"])
     assert math.isclose(float(shown.group(1)), float(actual.group(1)), rel_tol=1e-3), (shown.group(0), lines["0"])
