@@ -29,6 +29,7 @@ __all__ = [
     "evaluate",
     "load_digits_shard",
     "replicas_identical",
+    "report",
     "run_metrics",
     "steps_per_epoch",
     "train_epochs",
@@ -225,3 +226,19 @@ def run_metrics(
         "torch_version": torch.__version__,
         "seconds": seconds,
     }
+
+
+def report(metrics: dict, rank: int, metrics_out: str | None, prefix: str = "") -> None:
+    """Rank 0 prints the result line (after ``prefix``) and writes ``metrics_out``; every rank exits
+    with an error if the replicas differ after the final global averaging."""
+    if rank == 0:
+        print(
+            f"{prefix}test accuracy {metrics['test_accuracy']:.4f}  final train loss {metrics['final_loss']:.4f}  "
+            f"averaging rounds per period {metrics['rounds_per_level']}  "
+            f"replicas identical {metrics['replicas_identical']}  ({metrics['seconds']:.1f} s)",
+            flush=True,
+        )
+        if metrics_out:
+            write_metrics(metrics_out, metrics)
+    if not metrics["replicas_identical"]:
+        raise SystemExit("replicas differ after the final global averaging")

@@ -31,10 +31,10 @@ from digits_common import (
     evaluate,
     load_digits_shard,
     replicas_identical,
+    report,
     run_metrics,
     steps_per_epoch,
     train_epochs,
-    write_metrics,
 )
 from hieravg_optim import AveragingConfig, HierarchicalAveragingOptimizer
 
@@ -150,17 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
     dist.init_process_group("gloo")
     try:
-        metrics = train(args, levels, rank, world_size)
-        if rank == 0:
-            print(
-                f"test accuracy {metrics['test_accuracy']:.4f}  final train loss {metrics['final_loss']:.4f}  "
-                f"averaging rounds per period {metrics['rounds_per_level']}  "
-                f"replicas identical {metrics['replicas_identical']}  ({metrics['seconds']:.1f} s)"
-            )
-            if args.metrics_out:
-                write_metrics(args.metrics_out, metrics)
-        if not metrics["replicas_identical"]:
-            raise SystemExit("replicas differ after the final global averaging")
+        report(train(args, levels, rank, world_size), rank, args.metrics_out)
     finally:
         dist.destroy_process_group()
 

@@ -37,7 +37,7 @@ from digits_common import (
     evaluate,
     load_digits_shard,
     replicas_identical,
-    write_metrics,
+    report,
 )
 
 import hieravg_optim.deepspeed as hds
@@ -139,20 +139,11 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         test_loss, test_accuracy = evaluate(lambda x: engine(x.to(dtype)), data.x_test, data.y_test)
     metrics.update({"test_loss": test_loss, "test_accuracy": test_accuracy, "seconds": time.perf_counter() - start})
-    if rank == 0:
-        print(
-            f"test accuracy {test_accuracy:.4f}  final train loss {metrics['final_loss']:.4f}  "
-            f"averaging rounds per period {metrics['rounds_per_level']}  "
-            f"replicas identical {metrics['replicas_identical']}  ({metrics['seconds']:.1f} s)",
-            flush=True,
-        )
-        if args.metrics_out:
-            write_metrics(args.metrics_out, metrics)
-    identical = metrics["replicas_identical"]
-    dist.barrier()
-    dist.destroy_process_group()
-    if not identical:
-        raise SystemExit("replicas differ after the final global averaging")
+    try:
+        report(metrics, rank, args.metrics_out)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

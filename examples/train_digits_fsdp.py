@@ -34,10 +34,10 @@ from digits_common import (  # noqa: E402
     evaluate,
     load_digits_shard,
     replicas_identical,
+    report,
     run_metrics,
     steps_per_epoch,
     train_epochs,
-    write_metrics,
 )
 from train_digits import make_parser as make_base_parser  # noqa: E402
 from train_digits import parse_period_group_size  # noqa: E402
@@ -108,17 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo")
     try:
         metrics = train(args, levels, rank, world_size)
-        if rank == 0:
-            print(
-                f"FSDP{args.fsdp_version}, {metrics['replicas']} replicas x {shards} shards: test accuracy "
-                f"{metrics['test_accuracy']:.4f}  final train loss {metrics['final_loss']:.4f}  averaging rounds per "
-                f"period {metrics['rounds_per_level']}  replicas identical {metrics['replicas_identical']}  "
-                f"({metrics['seconds']:.1f} s)"
-            )
-            if args.metrics_out:
-                write_metrics(args.metrics_out, metrics)
-        if not metrics["replicas_identical"]:
-            raise SystemExit("replicas differ after the final global averaging")
+        prefix = f"FSDP{args.fsdp_version}, {metrics['replicas']} replicas x {shards} shards: "
+        report(metrics, rank, args.metrics_out, prefix)
     finally:
         dist.destroy_process_group()
 

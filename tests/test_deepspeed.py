@@ -433,8 +433,8 @@ def results():
 # ------------------------------------------------------------------------------------------------
 # Tests
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", [c[0] for c in AVERAGING_CASES])
-def test_averaging_gives_exact_replica_mean(results, case):
+def assert_exact_replica_mean(results, case):
+    """What ``_averaging_case`` found on every rank: the exact replica mean, in the masters and the module."""
     for rank, per_rank in enumerate(results):
         r = per_rank["averaging"][case]
         assert r["dp_world_size"] == S, (rank, r)
@@ -447,6 +447,11 @@ def test_averaging_gives_exact_replica_mean(results, case):
         # One count and one round per engine step (gradient-accumulation boundary), not per micro batch.
         assert r["count"] == 3 == r["global_steps"], r
         assert r["rounds"] == 1, r
+
+
+@pytest.mark.parametrize("case", [c[0] for c in AVERAGING_CASES])
+def test_averaging_gives_exact_replica_mean(results, case):
+    assert_exact_replica_mean(results, case)
 
 
 def test_averaging_covers_every_optimizer_kind(results):

@@ -31,6 +31,7 @@ import pytest
 from tests.harness import run_distributed
 from tests.test_deepspeed import (
     S,
+    assert_exact_replica_mean,
     WORLD,
     _all_equal,
     _averaging_case,
@@ -159,17 +160,7 @@ def results():
 
 @pytest.mark.parametrize("case", [c[0] for c in FP16_CASES])
 def test_fp16_averaging_gives_exact_replica_mean(results, case):
-    for rank, per_rank in enumerate(results):
-        r = per_rank["averaging"][case]
-        assert r["dp_world_size"] == S, (rank, r)
-        assert r["replicas_differed"], f"rank {rank}: replicas were equal before averaging; the test is vacuous"
-        assert r["replica_masters_consistent"], f"rank {rank}: ranks of one replica disagree before averaging"
-        assert r["masters_are_mean"], f"rank {rank} {case}: fp32 masters are not the mean of the replicas"
-        assert r["module_is_mean_in_dtype"], f"rank {rank} {case}: module params are not the mean in fp16"
-        assert r["module_identical_everywhere"], f"rank {rank} {case}: replicas differ after averaging"
-        assert r["param_groups"] == 2
-        assert r["count"] == 3 == r["global_steps"], r
-        assert r["rounds"] == 1, r
+    assert_exact_replica_mean(results, case)
 
 
 def test_fp16_uses_deepspeeds_fp16_optimizers(results):
