@@ -25,7 +25,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["DistributedTestError", "run_distributed", "default_timeout"]
+__all__ = ["DistributedTestError", "default_timeout", "run_distributed", "run_scenarios"]
 
 
 def default_timeout(seconds: float) -> float:
@@ -168,3 +168,24 @@ def run_distributed(
             f"finished: {sorted(outputs)}"
         )
     return [outputs[r] for r in range(world_size)]
+
+
+def run_scenarios(scenarios: dict[str, Callable[[int], Any]], rank: int) -> dict[str, Any]:
+    """Inside a rank: run each ``scenarios[name](rank)`` in order, with a barrier after each.
+
+    ``HIERAVG_CORE_SCENARIOS`` (comma-separated names) runs only those, to iterate on one.
+    A failure is re-raised naming the scenario and the rank.
+    """
+    import torch.distributed as dist
+
+    only = os.environ.get("HIERAVG_CORE_SCENARIOS")
+    out = {}
+    for name, fn in scenarios.items():
+        if only and name not in only.split(","):
+            continue
+        try:
+            out[name] = fn(rank)
+        except BaseException as e:  # name the scenario in the traceback the harness re-raises
+            raise AssertionError(f"scenario {name!r} failed on rank {rank}: {e!r}") from e
+        dist.barrier()
+    return out

@@ -10,7 +10,6 @@ the library's own schedule or groups code.
 from __future__ import annotations
 
 import copy
-import os
 from collections import OrderedDict
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.harness import default_timeout, run_distributed
+from tests.harness import default_timeout, run_distributed, run_scenarios
 
 WORLD = 8
 pytestmark = pytest.mark.timeout(default_timeout(420))  # scaled like the harness's deadline
@@ -527,17 +526,7 @@ def _run_all(rank: int, world_size: int) -> dict:
     import warnings
 
     warnings.simplefilter("ignore", UserWarning)  # torch's own averager warns for {1: WORLD}
-    only = os.environ.get("HIERAVG_CORE_SCENARIOS")  # comma-separated names, to iterate on one scenario
-    out = {}
-    for name, fn in SCENARIOS.items():
-        if only and name not in only.split(","):
-            continue
-        try:
-            out[name] = fn(rank)
-        except BaseException as e:  # name the scenario in the traceback the harness re-raises
-            raise AssertionError(f"scenario {name!r} failed on rank {rank}: {e!r}") from e
-        dist.barrier()
-    return out
+    return run_scenarios(SCENARIOS, rank)
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,9 @@ from collections import OrderedDict
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from tests.harness import default_timeout, run_distributed
+from tests.harness import default_timeout, run_distributed, run_scenarios
 
 WORLD = 4
 LEVELS = {2: 2, 4: 4}
@@ -336,20 +335,8 @@ SCENARIOS = {
 
 
 def _run_all(rank: int, world_size: int) -> dict:
-    import os
-
     assert world_size == WORLD
-    only = os.environ.get("HIERAVG_CORE_SCENARIOS")
-    out = {}
-    for name, fn in SCENARIOS.items():
-        if only and name not in only.split(","):
-            continue
-        try:
-            out[name] = fn(rank)
-        except BaseException as e:
-            raise AssertionError(f"scenario {name!r} failed on rank {rank}: {e!r}") from e
-        dist.barrier()
-    return out
+    return run_scenarios(SCENARIOS, rank)
 
 
 @pytest.fixture(scope="module")
