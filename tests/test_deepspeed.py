@@ -177,6 +177,22 @@ def _max_diff(xs, ys):
 # ------------------------------------------------------------------------------------------------
 # Scenarios
 # ------------------------------------------------------------------------------------------------
+def capture_masters_before_averaging(engine, state) -> dict:
+    """Make every averaging round first store the full fp32 masters under ``["before"]`` of the returned dict.
+
+    Gathering the masters is a collective within the replica; all its ranks average at the same step.
+    """
+    captured: dict = {}
+    original_average = state.averager.average
+
+    def recording_average(level_index, tensors):
+        captured["before"] = _full_masters(engine)
+        return original_average(level_index, tensors)
+
+    state.averager.average = recording_average
+    return captured
+
+
 def _averaging_case(rank, name, stage, prec, gas, extra):
     """Averaging at count 2 (warmup 1, period 2): exact means of the replicas' master weights."""
     import hieravg_optim.deepspeed as hds
@@ -187,14 +203,7 @@ def _averaging_case(rank, name, stage, prec, gas, extra):
         model=model, optimizer=_client_optimizer(model), config=_config(stage, prec, gas, section, extra)
     )
     state = hds.get_averaging(engine)
-    captured = {}
-    original_average = state.averager.average
-
-    def recording_average(level_index, tensors):
-        captured["before"] = _full_masters(engine)  # collective in the replica: all its ranks average now
-        return original_average(level_index, tensors)
-
-    state.averager.average = recording_average
+    captured = capture_masters_before_averaging(engine, state)
     micro = 0
     for _ in range(3):  # counts 0, 1, 2; averaging at 2
         for _ in range(gas):

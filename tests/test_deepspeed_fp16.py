@@ -32,6 +32,7 @@ from tests.harness import run_distributed
 from tests.test_deepspeed import (
     S,
     assert_exact_replica_mean,
+    capture_masters_before_averaging,
     WORLD,
     _all_equal,
     _averaging_case,
@@ -85,14 +86,7 @@ def _overflow_then_average(rank, stage):
     engine, _, _, _ = hds.initialize(model=model, optimizer=_client_optimizer(model),
                                      config=_config(stage, "fp16", 1, section, FP16))  # fmt: skip
     state = hds.get_averaging(engine)
-    captured = {}
-    original_average = state.averager.average
-
-    def recording_average(level_index, tensors):
-        captured["before"] = _full_masters(engine)  # collective in the replica: all its ranks average now
-        return original_average(level_index, tensors)
-
-    state.averager.average = recording_average
+    captured = capture_masters_before_averaging(engine, state)
     skipped_after_overflow = None
     for step in range(5):  # counts 0..4; averaging at 0, 2 and 4; overflow at 2 in replica 1
         overflow_here = step == 2 and rank >= S
