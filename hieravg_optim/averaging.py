@@ -32,6 +32,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ._handover import hand_over
+
 __all__ = ["BucketPool", "accumulation_dtype", "average_tensors_", "check_agreement", "tensor_signature"]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -127,6 +129,7 @@ def _reduce_packed(packed: list[torch.Tensor], bucket: torch.Tensor, group: dist
             view.copy_(pending[0])
         else:
             torch.cat(pending, out=view)
+        hand_over(view)
         work = dist.all_reduce(view, op=dist.ReduceOp.SUM, group=group, async_op=True)
         in_flight[cur] = (work, view, pending, backs)
         pending, backs, used = [], [], 0
@@ -216,11 +219,13 @@ def average_tensors_(
             # same collectives even where one holds a transposed view and another a contiguous tensor.
             if t.dtype == acc and t.numel() >= direct:
                 if t.is_contiguous():
+                    hand_over(t)
                     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
                     t.div_(group_size)
                 else:
                     # One temporary contiguous copy of this tensor, reduced on its own.
                     tmp = t.contiguous()
+                    hand_over(tmp)
                     dist.all_reduce(tmp, op=dist.ReduceOp.SUM, group=group)
                     tmp.div_(group_size)
                     t.copy_(tmp)
@@ -314,6 +319,7 @@ def check_agreement(
     # The same rule on every rank, whatever its tensors: a rank with none must not pick another device.
     device = _collective_device(group)
     probe = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    hand_over(probe)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
     if int(probe[0]) == -int(probe[1]):
         return

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._handover import hand_over
 from .config import AveragingConfig
 from .optimizer import HierarchicalAverager, _agree_across_ranks, _raise_on_every_rank
 
@@ -445,6 +446,7 @@ class DeepSpeedAveraging:
         top = self.averager.level_groups[-1]
         if top.group is not None:
             for t in self.master_tensors():
+                hand_over(t)
                 dist.broadcast(t, src=top.ranks[0], group=top.group)
         self.push_to_module()
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._handover import hand_over
 from .averaging import BucketPool, _collective_device, _digest, average_tensors_, check_agreement
 from .config import AveragingConfig, _is_int, _warn_at_caller
 from .groups import LevelGroup, build_level_groups
@@ -101,6 +102,7 @@ def _agree_across_ranks(
     device = _collective_device(group)
     mine = torch.tensor([_digest(value), 0 if error is None else 1], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
+    hand_over(mine, *everyone)
     dist.all_gather(everyone, mine, group=group)
     failed = [i for i, t in enumerate(everyone) if int(t[1])]
     same = all(int(t[0]) == int(everyone[0][0]) for t in everyone)
