@@ -11,7 +11,7 @@ whose last collective was this package's (``hieravg_optim.fsdp.load_checkpoint``
 in about 1 run of 10. torch keeps the worker threads alive after ``destroy_process_group()``
 while any object (a module, an optimizer, a device mesh) still holds the process group.
 
-So every tensor this package hands to a collective goes through :func:`hand_over` first: it is
+So every CPU tensor this package hands to a collective goes through :func:`hand_over` first: it is
 recorded with its reference count, and kept until that count is back, which means the backend
 has dropped it. Released tensors are forgotten at each later call; at interpreter exit, before
 finalization, an ``atexit`` hook waits for the rest (at most ``EXIT_WAIT_S``, sleeping with the
@@ -39,7 +39,9 @@ def hand_over(*tensors: torch.Tensor) -> None:
     _forget_released()
     # References to the C++ tensor (``Tensor._use_count``, which torch.utils.swap_tensors uses too):
     # a Python object counts once, however many names it has.
-    _held.extend((t, t._use_count()) for t in tensors)
+    # CPU tensors only: they go to gloo. NCCL's watchdog thread releases CUDA tensors on its own
+    # schedule, not measured here (no GPU in CI), and holding them could delay every exit.
+    _held.extend((t, t._use_count()) for t in tensors if t.device.type == "cpu")
     del _held[: max(0, len(_held) - _MAX_HELD)]
 
 

@@ -219,8 +219,10 @@ def average_tensors_(
             # same collectives even where one holds a transposed view and another a contiguous tensor.
             if t.dtype == acc and t.numel() >= direct:
                 if t.is_contiguous():
-                    hand_over(t)
-                    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+                    # An alias made here: only the backend adds references to it, whatever holds ``t``.
+                    alias = t.detach()
+                    hand_over(alias)
+                    dist.all_reduce(alias, op=dist.ReduceOp.SUM, group=group)
                     t.div_(group_size)
                 else:
                     # One temporary contiguous copy of this tensor, reduced on its own.
