@@ -680,7 +680,9 @@ def initialize(
     count one replica: ``train_batch_size = train_micro_batch_size_per_gpu x
     gradient_accumulation_steps x ranks_per_replica``.
 
-    Without the section, or with ``"enabled": false``, this is exactly :func:`deepspeed.initialize`.
+    Without the section, or with ``"enabled": false``, this is exactly :func:`deepspeed.initialize`,
+    after one agreement across ranks (an all-gather of two int64 per rank over the default group),
+    so that a section present on some ranks only is a ``RuntimeError`` on every rank.
 
     With it, the engine also gets ``engine.hierarchical_averaging`` (a :class:`DeepSpeedAveraging`),
     counts one averaging step per engine optimizer step (gradient-accumulation boundary,
@@ -727,7 +729,27 @@ def initialize(
         source = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
         from_args = source is not None
     loaded = _load_config(source) if source is not None else None
-    if loaded is None or SECTION not in loaded:
+    if loaded is None:
+        return deepspeed.initialize(args=args, config=config, config_params=config_params, **ds_kwargs)
+
+    def init_distributed() -> None:
+        """As deepspeed.initialize would, to know the world size and to check the section across ranks."""
+        deepspeed.init_distributed(
+            dist_backend=get_accelerator().communication_backend_name(),
+            distributed_port=ds_kwargs.get("distributed_port", TORCH_DISTRIBUTED_DEFAULT_PORT),
+            dist_init_required=dist_init_required,
+        )
+
+    agreement = f'the "{SECTION}" section (ranks_per_replica resolved)'
+    agreement_fix = (
+        'Give every rank the same section; with "ranks_per_replica": "auto" (LOCAL_WORLD_SIZE, the ranks of '
+        'one node) every node must run the same number of ranks, else set "ranks_per_replica" explicitly.'
+    )
+    if SECTION not in loaded:
+        # Plain DeepSpeed, after the same agreement as the ranks that have the section: a section present on
+        # some ranks only is then a RuntimeError on every rank, not a collective paired with DeepSpeed's.
+        init_distributed()
+        _agree_across_ranks(agreement, "disabled", None, fix=agreement_fix)
         return deepspeed.initialize(args=args, config=config, config_params=config_params, **ds_kwargs)
 
     # Local checks. Where torch.distributed is already initialized, a failure on some ranks only is
@@ -741,12 +763,7 @@ def initialize(
             raise
         _raise_on_every_rank(exc, None, f'the "{SECTION}" section')
 
-    # Initialise torch.distributed as deepspeed.initialize would, to know the world size.
-    deepspeed.init_distributed(
-        dist_backend=get_accelerator().communication_backend_name(),
-        distributed_port=ds_kwargs.get("distributed_port", TORCH_DISTRIBUTED_DEFAULT_PORT),
-        dist_init_required=dist_init_required,
-    )
+    init_distributed()
     error: BaseException | None = None
     if averaging_config is not None:
         try:
@@ -766,12 +783,11 @@ def initialize(
     # Every rank must resolve the same settings ("auto" follows LOCAL_WORLD_SIZE, which differs between
     # nodes running different numbers of ranks) before any replica group is created: else new_group hangs.
     _agree_across_ranks(
-        f'the "{SECTION}" section (ranks_per_replica resolved)',
+        agreement,
         asdict(averaging_config) if averaging_config is not None else "disabled",
         None,
         error=error,
-        fix='Give every rank the same section; with "ranks_per_replica": "auto" (LOCAL_WORLD_SIZE, the ranks of '
-        'one node) every node must run the same number of ranks, else set "ranks_per_replica" explicitly.',
+        fix=agreement_fix,
     )
     rpr = averaging_config.ranks_per_replica if averaging_config is not None else 0
 

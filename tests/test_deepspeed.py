@@ -391,6 +391,19 @@ def _bad_world_case(rank):
     return out
 
 
+def _section_on_some_ranks_case(rank):
+    """Rank 0's config has no section, the others' have one: a RuntimeError on every rank, naming both."""
+    import hieravg_optim.deepspeed as hds
+
+    section = None if rank == 0 else {"period_group_size": {"2": 4}, "ranks_per_replica": 2}
+    model = _model()
+    try:
+        hds.initialize(model=model, optimizer=_client_optimizer(model), config=_config(1, "fp32", 1, section))
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
 def _all_scenarios(rank, world_size, folder):
     import torch
 
@@ -399,6 +412,7 @@ def _all_scenarios(rank, world_size, folder):
     # (deepspeed.utils.groups.mpu), so a plain engine must be built before any replica engine.
     results = {"no_section": _no_section_case(rank)}
     results["bad_world"] = _bad_world_case(rank)
+    results["section_on_some_ranks"] = _section_on_some_ranks_case(rank)
     results["dataloader"] = _dataloader_case(rank)
     results["averaging"] = {case[0]: _averaging_case(rank, *case) for case in AVERAGING_CASES}
     results["parity"] = {
@@ -538,6 +552,19 @@ def test_bad_world_dependent_sections_raise_value_error(results):
             assert message.startswith("ValueError") and fragment in message, (rank, label, message)
             if label != "train_batch_size_counts_world":  # a key of DeepSpeed's own, not of the section
                 assert 'DeepSpeed config section "hierarchical_averaging"' in message, (rank, label, message)
+
+
+def test_section_on_some_ranks_only_raises_on_every_rank(results):
+    for rank, per_rank in enumerate(results):
+        message = per_rank["section_on_some_ranks"]
+        assert message.startswith("RuntimeError: Ranks disagree on the \"hierarchical_averaging\" section"), (
+            rank,
+            message,
+        )
+        assert "rank 0 has 'disabled', rank 1 has {" in message and "Give every rank the same section" in message, (
+            rank,
+            message,
+        )
 
 
 # ------------------------------------------------------------------------------------------------
