@@ -728,9 +728,6 @@ def initialize(
     if source is None and args is not None:
         source = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
         from_args = source is not None
-    loaded = _load_config(source) if source is not None else None
-    if loaded is None:
-        return deepspeed.initialize(args=args, config=config, config_params=config_params, **ds_kwargs)
 
     def init_distributed() -> None:
         """As deepspeed.initialize would, to know the world size and to check the section across ranks."""
@@ -740,28 +737,40 @@ def initialize(
             dist_init_required=dist_init_required,
         )
 
+    def plain_deepspeed():
+        return deepspeed.initialize(args=args, config=config, config_params=config_params, **ds_kwargs)
+
+    initialized = dist.is_available() and dist.is_initialized()
+    # Local checks: read the config, parse the section. Where torch.distributed is already initialized, a
+    # failure on some ranks only (a missing config file, an invalid section) is raised on every rank, instead
+    # of leaving the others waiting in the agreement below or in DeepSpeed's first collective.
+    loaded: dict[str, Any] | None = None
+    settings: SectionSettings | None = None
+    try:
+        loaded = _load_config(source) if source is not None else None
+        if loaded is not None and SECTION in loaded:
+            settings = parse_section(loaded[SECTION])
+            ds_config = {k: v for k, v in loaded.items() if k != SECTION}
+            averaging_config = _local_averaging_config(settings, ds_config, model, optimizer, mpu, mesh_param)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank
+        if not initialized:
+            raise
+        _raise_on_every_rank(exc, None, f'the DeepSpeed config and its "{SECTION}" section')
+
     agreement = f'the "{SECTION}" section (ranks_per_replica resolved)'
     agreement_fix = (
         'Give every rank the same section; with "ranks_per_replica": "auto" (LOCAL_WORLD_SIZE, the ranks of '
         'one node) every node must run the same number of ranks, else set "ranks_per_replica" explicitly.'
     )
-    if SECTION not in loaded:
+    if settings is None:
         # Plain DeepSpeed, after the same agreement as the ranks that have the section: a section present on
         # some ranks only is then a RuntimeError on every rank, not a collective paired with DeepSpeed's.
-        init_distributed()
-        _agree_across_ranks(agreement, "disabled", None, fix=agreement_fix)
-        return deepspeed.initialize(args=args, config=config, config_params=config_params, **ds_kwargs)
-
-    # Local checks. Where torch.distributed is already initialized, a failure on some ranks only is
-    # raised on every rank by the agreement below, instead of leaving the others waiting in new_group.
-    try:
-        settings = parse_section(loaded[SECTION])
-        ds_config = {k: v for k, v in loaded.items() if k != SECTION}
-        averaging_config = _local_averaging_config(settings, ds_config, model, optimizer, mpu, mesh_param)
-    except (TypeError, ValueError, NotImplementedError) as exc:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise
-        _raise_on_every_rank(exc, None, f'the "{SECTION}" section')
+        # Without any config DeepSpeed raises its own error; the agreement then only runs when another
+        # rank may be waiting in it.
+        if loaded is not None or initialized:
+            init_distributed()
+            _agree_across_ranks(agreement, "disabled" if loaded is not None else "no config", None, fix=agreement_fix)
+        return plain_deepspeed()
 
     init_distributed()
     error: BaseException | None = None

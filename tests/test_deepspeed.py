@@ -404,6 +404,23 @@ def _section_on_some_ranks_case(rank):
     return "no error"
 
 
+def _config_missing_on_some_ranks_case(rank):
+    """Rank 0 has a config path that does not exist, or no config at all; the others a valid one."""
+    import hieravg_optim.deepspeed as hds
+
+    section = {"period_group_size": {"2": 4}, "ranks_per_replica": 2}
+    out = {}
+    for label, rank0_config in (("missing_file", "/nonexistent/ds_config.json"), ("no_config", None)):
+        model = _model()
+        config = rank0_config if rank == 0 else _config(1, "fp32", 1, section)
+        try:
+            hds.initialize(model=model, optimizer=_client_optimizer(model), config=config)
+            out[label] = "no error"
+        except Exception as err:  # noqa: BLE001
+            out[label] = f"{type(err).__name__}: {err}"
+    return out
+
+
 def _all_scenarios(rank, world_size, folder):
     import torch
 
@@ -413,6 +430,7 @@ def _all_scenarios(rank, world_size, folder):
     results = {"no_section": _no_section_case(rank)}
     results["bad_world"] = _bad_world_case(rank)
     results["section_on_some_ranks"] = _section_on_some_ranks_case(rank)
+    results["config_missing_on_some_ranks"] = _config_missing_on_some_ranks_case(rank)
     results["dataloader"] = _dataloader_case(rank)
     results["averaging"] = {case[0]: _averaging_case(rank, *case) for case in AVERAGING_CASES}
     results["parity"] = {
@@ -565,6 +583,20 @@ def test_section_on_some_ranks_only_raises_on_every_rank(results):
             rank,
             message,
         )
+
+
+def test_config_missing_on_some_ranks_raises_on_every_rank(results):
+    """Instead of the other ranks waiting for rank 0 until the process group's timeout."""
+    for rank, per_rank in enumerate(results):
+        missing, absent = per_rank["config_missing_on_some_ranks"].values()
+        if rank == 0:
+            assert missing.startswith("ValueError: Expected a path to an existing DeepSpeed config"), missing
+        else:
+            assert missing.startswith("RuntimeError: Rank 0 failed while checking"), missing
+            assert "Expected a path to an existing DeepSpeed config" in missing, missing
+            assert "/nonexistent/ds_config.json" in missing, missing
+        assert absent.startswith("RuntimeError: Ranks disagree on the \"hierarchical_averaging\" section"), absent
+        assert "rank 0 has 'no config', rank 1 has {" in absent, absent
 
 
 # ------------------------------------------------------------------------------------------------
