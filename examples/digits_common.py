@@ -104,9 +104,6 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[
     return loss, accuracy
 
 
-_LAST_GATHER: list[torch.Tensor] = []
-
-
 def replicas_identical(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> bool:
     """True when every rank of ``group`` holds bitwise the same ``tensors``.
 
@@ -114,9 +111,6 @@ def replicas_identical(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup
     """
     flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
-    # Kept until the script ends: this is one of the last collectives before the exit, and gloo's worker thread
-    # may drop its reference after wait() returns (README, "Limitations": an abort at exit with gloo).
-    _LAST_GATHER[:] = [flat, *gathered]
     dist.all_gather(gathered, flat, group=group)
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
