@@ -737,9 +737,6 @@ def initialize(
             dist_init_required=dist_init_required,
         )
 
-    def plain_deepspeed():
-        return deepspeed.initialize(args=args, config=config, config_params=config_params, **ds_kwargs)
-
     initialized = dist.is_available() and dist.is_initialized()
     # Local checks: read the config, parse the section. Where torch.distributed is already initialized, a
     # failure on some ranks only (a missing config file, an invalid section) is raised on every rank, instead
@@ -770,7 +767,7 @@ def initialize(
         if loaded is not None or initialized:
             init_distributed()
             _agree_across_ranks(agreement, "disabled" if loaded is not None else "no config", None, fix=agreement_fix)
-        return plain_deepspeed()
+        return deepspeed.initialize(args=args, config=config, config_params=config_params, **ds_kwargs)
 
     init_distributed()
     error: BaseException | None = None
