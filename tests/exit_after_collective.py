@@ -24,7 +24,6 @@ import torch.distributed as dist
 from torch import nn
 
 
-
 def starve_other_threads() -> None:
     """Pin every thread to one CPU; all but the calling thread run only when it waits."""
     cpu = min(os.sched_getaffinity(0))
