@@ -5,8 +5,9 @@ See https://arxiv.org/abs/2010.12998 (hierarchical SGD) and https://arxiv.org/ab
 and :mod:`hieravg_optim.fsdp`; this package never imports deepspeed itself.
 """
 
+from .averager import HierarchicalAverager, LevelMetrics
 from .config import AveragingConfig
-from .optimizer import HierarchicalAverager, HierarchicalAveragingOptimizer, LevelMetrics
+from .optimizer import HierarchicalAveragingOptimizer
 from .schedule import AveragingLevel, level_at, rounds_per_level
 
 __all__ = [

@@ -26,7 +26,6 @@ divided by the group size after the all-reduce, so means of small integers are e
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from ._handover import hand_over
 
-__all__ = ["BucketPool", "accumulation_dtype", "average_tensors_", "check_agreement", "tensor_signature"]
+__all__ = ["BucketPool", "accumulation_dtype", "average_tensors_", "overlaps_itself"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -172,7 +171,7 @@ def average_tensors_(
 
     .. warning::
         Collective: every rank of ``group`` must call this with tensors of the same
-        number, shapes and dtypes, in the same order (see :func:`check_agreement`).
+        number, shapes and dtypes, in the same order (see :func:`hieravg_optim.agreement.check_agreement`).
 
     Args:
         tensors: Floating-point (or complex) plain tensors, of any shape and strides; views are fine.
@@ -192,7 +191,7 @@ def average_tensors_(
     for index, t in enumerate(tensors):
         if not (t.is_floating_point() or t.is_complex()):
             raise TypeError(f"Only floating-point tensors can be averaged, got dtype {t.dtype} of shape {tuple(t.shape)}.")
-        if _overlaps_itself(t):
+        if overlaps_itself(t):
             # Checked before any collective; ranks that differ in this fail check_agreement instead.
             raise TypeError(
                 f"Tensor {index} to average (shape {tuple(t.shape)}, strides {t.stride()}) is internally overlapping "
@@ -243,97 +242,8 @@ def average_tensors_(
     return payload
 
 
-def _overlaps_itself(t: torch.Tensor) -> bool:
+def overlaps_itself(t: torch.Tensor) -> bool:
     """Whether some elements of ``t`` share a memory location (a stride of 0, as from ``expand()``)."""
     if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
         return True
     return torch._debug_has_internal_overlap(t) == 1
-
-
-def tensor_signature(tensors: Sequence[torch.Tensor]) -> list[tuple[tuple[int, ...], str]]:
-    """(shape, dtype) of each tensor, in order: what the ranks of a group must agree on.
-
-    An internally overlapping tensor (which :func:`average_tensors_` rejects) is marked in its
-    dtype entry, so that ranks differing in this disagree here, before any averaging collective.
-    """
-    return [
-        (
-            tuple(t.shape),
-            str(t.dtype).removeprefix("torch.") + (", internally overlapping" if _overlaps_itself(t) else ""),
-        )
-        for t in tensors
-    ]
-
-
-def _collective_device(group: dist.ProcessGroup) -> torch.device:
-    """Where small control tensors for ``group`` live: CPU for gloo, else the current CUDA device."""
-    if "gloo" not in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _digest(obj: object) -> int:
-    raw = hashlib.blake2b(repr(obj).encode(), digest_size=8).digest()
-    return int.from_bytes(raw, "little") & ((1 << 62) - 1)
-
-
-def _describe_difference(a: list, b: list) -> str:
-    """The first difference between two ``[context, signature]`` pairs, in words."""
-    for key in a[0]:
-        if a[0][key] != b[0].get(key):
-            return f"{key} {a[0][key]!r} vs {b[0].get(key)!r}"
-    sig_a, sig_b = a[1], b[1]
-    for i, (x, y) in enumerate(zip(sig_a, sig_b)):
-        if x != y:
-            return f"tensor {i}: shape {x[0]} dtype {x[1]} vs shape {y[0]} dtype {y[1]}"
-    return f"{len(sig_a)} tensors vs {len(sig_b)} tensors"
-
-
-def check_agreement(
-    tensors: Sequence[torch.Tensor],
-    group: dist.ProcessGroup,
-    group_ranks: Sequence[int],
-    *,
-    context: dict[str, object],
-    what: str,
-) -> None:
-    """Check that every rank of ``group`` is about to average the same tensors.
-
-    Costs one all-reduce of two int64 values. On a mismatch it gathers the
-    signatures and raises on every rank of the group, so no rank hangs in a
-    collective of a different size.
-
-    .. warning::
-        Collective: every rank of ``group`` must call this.
-
-    Args:
-        tensors: The tensors this rank is about to average.
-        group: The averaging process group.
-        group_ranks: Global ranks of ``group``, in group-rank order.
-        context: Anything else the ranks must agree on, by name (e.g. ``{"step count": 5}``).
-        what: Names the averaging round in the error message.
-
-    Raises:
-        RuntimeError: naming two ranks that disagree and their first difference.
-    """
-    local = [context, tensor_signature(tensors)]
-    digest = _digest(local)
-    # The same rule on every rank, whatever its tensors: a rank with none must not pick another device.
-    device = _collective_device(group)
-    probe = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    hand_over(probe)
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
-    if int(probe[0]) == -int(probe[1]):
-        return
-    gathered: list = [None] * len(group_ranks)
-    dist.all_gather_object(gathered, local, group=group)
-    first = gathered[0]
-    for index, other in enumerate(gathered[1:], start=1):
-        if other != first:
-            raise RuntimeError(
-                f"Ranks {group_ranks[0]} and {group_ranks[index]} disagree on {what}: "
-                f"{_describe_difference(first, other)}. Every rank of an averaging group must average the same "
-                "parameters (number, shapes, dtypes) at the same step count: build the model and the optimizer's "
-                "parameter groups identically on every rank, and resume every rank from the same checkpoint."
-            )
-    raise AssertionError("digests differ but the gathered signatures are equal")

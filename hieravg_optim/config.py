@@ -20,13 +20,18 @@ from dataclasses import dataclass
 
 from .schedule import AveragingLevel
 
-__all__ = ["AveragingConfig", "parse_levels"]
+__all__ = ["AveragingConfig", "is_int", "parse_levels", "warn_at_caller"]
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def _warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+def _in_package(filename: str) -> bool:
+    """Whether ``filename`` is a module of this package or of its subpackages (the adapters)."""
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first frame outside this package: the user's call.
 
     A fixed ``stacklevel`` is wrong as soon as the same check is reached through
@@ -34,13 +39,14 @@ def _warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None
     """
     frame = sys._getframe(1)
     level = 2
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
+    while frame is not None and _in_package(frame.f_code.co_filename):
         frame = frame.f_back
         level += 1
     warnings.warn(message, category, stacklevel=level)
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer (a Python or numpy integer), ``bool`` excluded."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -57,7 +63,7 @@ def _as_float(value: numbers.Real) -> float:
 
 def _as_int(value: object, what: str) -> int:
     """``value`` as an int if it is an integer or a JSON key spelling one, else ``ValueError``."""
-    if _is_int(value):
+    if is_int(value):
         return int(value)  # type: ignore[arg-type]
     if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
         return int(value)
@@ -102,7 +108,7 @@ def parse_levels(
     levels = []
     for period, group_size in pairs:
         period_int = _as_int(period, f"Period {period!r} in period_group_size")
-        if not _is_int(group_size):
+        if not is_int(group_size):
             raise ValueError(
                 f"Group size {group_size!r} of period {period!r} in period_group_size must be a positive integer "
                 f"(a number of ranks), got {type(group_size).__name__}."
@@ -141,7 +147,7 @@ class AveragingConfig:
             raise ValueError("levels must not be empty.")
         previous = 0
         for level in self.levels:
-            if not _is_int(level.period) or level.period <= 0:
+            if not is_int(level.period) or level.period <= 0:
                 raise ValueError(
                     f"Period {level.period!r} in period_group_size must be a positive integer (in optimizer steps)."
                 )
@@ -152,13 +158,13 @@ class AveragingConfig:
                     f"period {level.period} follows {previous}. List them from the most to the least frequent."
                 )
             previous = level.period
-            if not _is_int(level.group_size) or level.group_size <= 0:
+            if not is_int(level.group_size) or level.group_size <= 0:
                 raise ValueError(
                     f"Group size {level.group_size!r} of period {level.period} must be a positive integer (ranks)."
                 )
-        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+        if not is_int(self.warmup_steps) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative integer (steps), got {self.warmup_steps!r}.")
-        if not _is_int(self.ranks_per_replica) or self.ranks_per_replica <= 0:
+        if not is_int(self.ranks_per_replica) or self.ranks_per_replica <= 0:
             raise ValueError(
                 f"ranks_per_replica must be a positive integer (ranks), got {self.ranks_per_replica!r}."
             )
@@ -188,8 +194,8 @@ class AveragingConfig:
         # its repr, so warmup_steps=np.int64(8) on one rank and 8 on another must not differ.
         return cls(
             levels=parse_levels(period_group_size),
-            warmup_steps=int(warmup_steps) if _is_int(warmup_steps) else warmup_steps,
-            ranks_per_replica=int(ranks_per_replica) if _is_int(ranks_per_replica) else ranks_per_replica,
+            warmup_steps=int(warmup_steps) if is_int(warmup_steps) else warmup_steps,
+            ranks_per_replica=int(ranks_per_replica) if is_int(ranks_per_replica) else ranks_per_replica,
             bucket_cap_mb=_as_float(bucket_cap_mb) if _is_real(bucket_cap_mb) else bucket_cap_mb,
         )
 
@@ -233,19 +239,19 @@ class AveragingConfig:
                 f"equal to the size of the process group ({world_size}): the top level averages all replicas."
             )
         if self.levels[-1].period == 1:
-            _warn_at_caller(
+            warn_at_caller(
                 "The largest period in period_group_size is 1: averaging parameters every step costs at least "
                 "as much as all-reducing gradients. Use plain DDP / ZeRO / FSDP instead.",
             )
         for lower, upper in zip(self.levels, self.levels[1:]):
             if upper.group_size % lower.group_size != 0:
-                _warn_at_caller(
+                warn_at_caller(
                     f"Group size {lower.group_size} (period {lower.period}) does not divide group size "
                     f"{upper.group_size} (period {upper.period}): the levels' groups do not nest, so this is "
                     "not a hierarchy. It is legal, as in torch, but rarely intended.",
                 )
         if world_size == s:
-            _warn_at_caller(
+            warn_at_caller(
                 f"ranks_per_replica={s} is the size of the process group: there is a single replica, so "
                 "hierarchical averaging never averages anything. Lower ranks_per_replica (e.g. to the ranks of "
                 "one node).",
@@ -253,7 +259,7 @@ class AveragingConfig:
             return
         for level in self.levels[:-1]:
             if level.group_size == s:
-                _warn_at_caller(
+                warn_at_caller(
                     f"Level with period {level.period} has group size {level.group_size} == ranks_per_replica: "
                     "its groups hold a single replica, so it never averages anything. Remove it.",
                 )

@@ -46,8 +46,9 @@ import torch
 import torch.distributed as dist
 
 from ._handover import hand_over
+from .agreement import agree_across_ranks, raise_on_every_rank
+from .averager import HierarchicalAverager
 from .config import AveragingConfig
-from .optimizer import HierarchicalAverager, _agree_across_ranks, _raise_on_every_rank
 
 __all__ = [
     "SECTION",
@@ -512,7 +513,7 @@ def _install_hooks(engine: Any, state: DeepSpeedAveraging) -> None:
         load_path, client_state = original_load(folder, tag, *args, **kwargs)
         # DeepSpeed only logs a warning for a missing checkpoint: a replica without one (resuming with more
         # replicas than were saved) would silently start from fresh weights while the others resume.
-        _agree_across_ranks(
+        agree_across_ranks(
             f"whether their replica found a checkpoint under {os.fspath(load_dir)}/replica_<k> (True: found)",
             load_path is not None,
             None,
@@ -752,7 +753,7 @@ def initialize(
     except Exception as exc:  # noqa: BLE001 - raised on every rank
         if not initialized:
             raise
-        _raise_on_every_rank(exc, None, f'the DeepSpeed config and its "{SECTION}" section')
+        raise_on_every_rank(exc, None, f'the DeepSpeed config and its "{SECTION}" section')
 
     agreement = f'the "{SECTION}" section (ranks_per_replica resolved)'
     agreement_fix = (
@@ -766,7 +767,7 @@ def initialize(
         # rank may be waiting in it.
         if loaded is not None or initialized:
             init_distributed()
-            _agree_across_ranks(agreement, "disabled" if loaded is not None else "no config", None, fix=agreement_fix)
+            agree_across_ranks(agreement, "disabled" if loaded is not None else "no config", None, fix=agreement_fix)
         return deepspeed.initialize(args=args, config=config, config_params=config_params, **ds_kwargs)
 
     init_distributed()
@@ -788,7 +789,7 @@ def initialize(
             )
     # Every rank must resolve the same settings ("auto" follows LOCAL_WORLD_SIZE, which differs between
     # nodes running different numbers of ranks) before any replica group is created: else new_group hangs.
-    _agree_across_ranks(
+    agree_across_ranks(
         agreement,
         asdict(averaging_config) if averaging_config is not None else "disabled",
         None,

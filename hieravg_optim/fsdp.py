@@ -63,7 +63,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp._flat_param import FlatParameter
 
-from .optimizer import HierarchicalAveragingOptimizer, _agree_across_ranks
+from .agreement import agree_across_ranks, raise_together
+from .optimizer import HierarchicalAveragingOptimizer
 from .schedule import AveragingLevel
 
 try:  # torch >= 2.6
@@ -313,7 +314,7 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             self._fsdp_version, self._flat_params = _validate_module(module, optimizer, mesh)
         except (TypeError, ValueError, NotImplementedError) as exc:
             error = exc
-        _raise_together(error)
+        raise_together(error)
         self.module = module
         self.mesh = mesh
         super().__init__(
@@ -367,18 +368,6 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
                 )
             out.append(flat.detach())
         return out
-
-
-def _raise_together(error: BaseException | None) -> None:
-    """Raise ``error`` on this rank, and a RuntimeError on every other rank, if any rank failed (collective)."""
-    messages: list = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
-    if failed:
-        rank, message = failed[0]
-        raise RuntimeError(f"FSDP hierarchical averaging setup failed on rank {rank}: {message}")
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
@@ -570,7 +559,7 @@ def load_checkpoint(
         error = exc
     # Replaces a barrier: a replica that failed (its folder missing: fewer replicas were saved) raises its
     # error, every other rank a RuntimeError naming it, instead of waiting in the next collective.
-    _agree_across_ranks(
+    agree_across_ranks(
         "the checkpoint load", None, None, error=error, fix="Resume with the mesh shape that saved the checkpoint."
     )
 

@@ -1,0 +1,282 @@
+"""The stateful averager: the step count, the subgroups, the buckets and the metrics.
+
+:class:`HierarchicalAverager` averages a list of tensors when the schedule says so,
+once per optimizer step. It is the piece the optimizer wrapper
+(:class:`~hieravg_optim.HierarchicalAveragingOptimizer`) and the DeepSpeed and FSDP
+adapters drive, as torch's ``PostLocalSGDOptimizer`` drives a ``HierarchicalModelAverager``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .agreement import agree_across_ranks, check_agreement
+from .averaging import BucketPool, average_tensors_
+from .config import AveragingConfig, is_int, warn_at_caller
+from .groups import LevelGroup, build_level_groups
+from .schedule import AveragingLevel, level_at
+
+try:  # torch >= 2.5
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch 2.4
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+
+__all__ = ["HierarchicalAverager", "LevelMetrics", "check_log_metrics_every", "local_tensor"]
+
+logger = logging.getLogger(__package__ + ".optimizer")
+"""The metrics of ``log_metrics_every`` go to the ``hieravg_optim.optimizer`` logger, the name documented for it."""
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage this rank averages: the local shard of a DTensor, else ``t`` detached.
+
+    Both share storage with ``t``; nothing is copied and nothing is rebound.
+    """
+    if isinstance(t, DTensor):
+        return t.to_local().detach()
+    return t.detach()
+
+
+@dataclass(slots=True)
+class LevelMetrics:
+    """What one level of the hierarchy has done on this rank since construction."""
+
+    period: int
+    """The level's period, in steps."""
+    group_size: int
+    """The level's group size, in ranks."""
+    subgroup_size: int
+    """Ranks this rank averages with at this level (replicas holding the same shard)."""
+    rounds: int = 0
+    """Averaging rounds run."""
+    payload_bytes: int = 0
+    """Bytes this rank all-reduced (in the accumulation dtype), summed over rounds."""
+    bytes_sent: int = 0
+    """Bytes this rank sent, estimated as a ring all-reduce does: ``2 (n - 1) / n`` times the payload."""
+    seconds: float = 0.0
+    """Wall-clock seconds spent averaging, agreement check included."""
+
+
+def check_log_metrics_every(value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is ``None`` or a positive integer number of steps."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(
+            f"log_metrics_every must be a positive integer number of steps or None, got {value!r}. "
+            "Pass e.g. log_metrics_every=100 to log the averaging metrics every 100 steps."
+        )
+
+
+class HierarchicalAverager:
+    """Hierarchical model averaging of a set of tensors, driven once per optimizer step.
+
+    The schedule and the checks are those of torch's
+    ``torch.distributed.algorithms.model_averaging.hierarchical_model_averager.HierarchicalModelAverager``
+    (hierarchical SGD, https://arxiv.org/abs/2010.12998); the averaging itself is
+    :func:`hieravg_optim.averaging.average_tensors_`, in place and bucketed.
+
+    .. warning::
+        The constructor is collective over ``process_group`` (by default the
+        default group): every rank of it must call it with the same config, because
+        it creates the subgroups with :func:`torch.distributed.new_group`. :meth:`step` is collective over the
+        subgroup that averages at that step.
+
+    Args:
+        config: The validated settings.
+        process_group: The overall process group; ``None`` means the default group.
+        log_metrics_every: Log :meth:`metrics` through the ``hieravg_optim.optimizer`` logger at INFO every
+            this many steps (at step counts that are multiples of it); ``None`` never logs.
+
+    Raises:
+        ValueError: from :meth:`AveragingConfig.check_world_size`, or for a ``log_metrics_every``
+            that is not a positive integer, on every rank, before any collective.
+        RuntimeError: if the ranks were given different configs, or another rank's config failed these
+            checks (that rank raises the ValueError; the others a RuntimeError naming it, never a hang).
+    """
+
+    def __init__(
+        self,
+        config: AveragingConfig,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        log_metrics_every: int | None = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            check_log_metrics_every(log_metrics_every)  # a bad value is named first, as with a process group
+            raise RuntimeError(
+                "torch.distributed is not initialized: call torch.distributed.init_process_group() "
+                "(or launch with torchrun / deepspeed) before creating the averager."
+            )
+        self.config = config
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        if dist.get_rank(self.process_group) < 0:
+            raise ValueError(
+                f"Rank {dist.get_rank()} is not a member of the given process_group: create the averager "
+                "only on the ranks of process_group (each rank passes the group it belongs to)."
+            )
+        self.world_size = dist.get_world_size(self.process_group)
+        # Local checks; a failure on some ranks only is raised on every rank by the agreement below.
+        error: BaseException | None = None
+        try:
+            check_log_metrics_every(log_metrics_every)
+            config.check_world_size(self.world_size)
+        except ValueError as exc:
+            error = exc
+        agree_across_ranks("the averaging config", asdict(config), self.process_group, error=error)
+        self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
+        self.step = 0
+        """The averaging step count: optimizer steps taken so far (``HierarchicalModelAverager.step``)."""
+        self.pool = BucketPool()
+        self._metrics = [
+            LevelMetrics(period=lg.level.period, group_size=lg.level.group_size, subgroup_size=lg.size)
+            for lg in self.level_groups
+        ]
+        # The first step checks that every rank starts at the same count: a checkpoint loaded on some
+        # ranks only is then a RuntimeError there, not a collective mismatch.
+        self._verify_step_pending = True
+        self.log_metrics_every: int | None = log_metrics_every
+        """Log :meth:`metrics` through ``logging`` at INFO every this many steps (``None``: never)."""
+
+    @property
+    def levels(self) -> tuple[AveragingLevel, ...]:
+        return self.config.levels
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.config.warmup_steps
+
+    def due_level(self) -> int | None:
+        """Index of the level that averages at the current count, or ``None``."""
+        return level_at(self.step, self.config.levels, self.config.warmup_steps)
+
+    def step_and_average(self, tensors: Callable[[], Sequence[torch.Tensor]]) -> int | None:
+        """Average ``tensors()`` if the schedule says so at the current count, then advance the count.
+
+        Call it once per optimizer step, after the inner optimizer has stepped.
+
+        Args:
+            tensors: Called only when averaging is due; returns the tensors to average in place.
+
+        Returns:
+            The index of the level that averaged, or ``None``.
+        """
+        self.verify_step_if_loaded()
+        index = self.due_level()
+        if index is not None:
+            self.average(index, tensors())
+        self.step += 1
+        if self.log_metrics_every and self.step % self.log_metrics_every == 0:
+            logger.info("hierarchical averaging at step %d: %s", self.step, self.metrics())
+        return index
+
+    def average(self, level_index: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Average ``tensors`` in place at level ``level_index`` now, whatever the count.
+
+        ``level_index=-1`` averages at the top level: with ``ranks_per_replica=1``, over
+        the whole process group.
+
+        .. warning::
+            Collective over this rank's subgroup at that level.
+
+        Raises:
+            RuntimeError: if the ranks of the subgroup disagree on the tensors (see
+                :func:`hieravg_optim.agreement.check_agreement`).
+        """
+        lg = self.level_groups[level_index]
+        metrics = self._metrics[level_index]
+        if lg.group is None:
+            metrics.rounds += 1
+            return
+        start = time.perf_counter()
+        check_agreement(
+            tensors,
+            lg.group,
+            lg.ranks,
+            context={"step count": self.step, "bucket_cap_mb": self.config.bucket_cap_mb},
+            what=f"the parameters to average at step {self.step} (period {lg.level.period}, group size "
+            f"{lg.level.group_size})",
+        )
+        with torch.no_grad():
+            payload = average_tensors_(
+                tensors, lg.group, lg.size, bucket_cap_bytes=self.config.bucket_cap_bytes, pool=self.pool
+            )
+        metrics.rounds += 1
+        metrics.payload_bytes += payload
+        metrics.bytes_sent += 2 * (lg.size - 1) * payload // lg.size
+        metrics.seconds += time.perf_counter() - start
+
+    def metrics(self) -> dict[int, dict[str, Any]]:
+        """What each level has done on this rank since construction; local, no collective.
+
+        Returns:
+            A new dict per call, keyed by period (steps), in level order; each value is
+            :class:`LevelMetrics` as a plain dict of ints and one float: ``period``,
+            ``group_size``, ``subgroup_size``, ``rounds``, ``payload_bytes``, ``bytes_sent``
+            (bytes) and ``seconds``. Example for ``{4: 2, 8: 4}`` after 16 steps on 4 ranks
+            of float32 parameters of 1,000 elements: ``{4: {"rounds": 2, "payload_bytes": 8000,
+            "bytes_sent": 8000, ...}, 8: {"rounds": 2, "payload_bytes": 8000, "bytes_sent": 12000, ...}}``.
+        """
+        return {m.period: asdict(m) for m in self._metrics}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The averaging state: the step count and, for checking on resume, the levels."""
+        return {
+            "step": self.step,
+            "levels": [[lv.period, lv.group_size] for lv in self.config.levels],
+            "warmup_steps": self.config.warmup_steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output. The count is checked across ranks at the next step.
+
+        Raises:
+            ValueError: if ``state`` has no ``"step"``, or it is not a non-negative integer (a float,
+                a string, ``None``: never silently truncated or reset).
+        """
+        if not isinstance(state, Mapping) or "step" not in state:
+            raise ValueError(
+                f"The averaging state must be a mapping with the averaging step count under 'step', as "
+                f"HierarchicalAverager.state_dict() returns, got {state!r}."
+            )
+        step = state["step"]
+        if torch.is_tensor(step) and step.numel() == 1 and not step.is_floating_point():
+            step = int(step)
+        if not is_int(step) or step < 0:
+            raise ValueError(
+                f"The averaging step count 'step' in the state dict must be a non-negative integer (optimizer "
+                f"steps), got {step!r} ({type(step).__name__}). Load the state dict this library or torch's "
+                "PostLocalSGDOptimizer saved."
+            )
+        self.step = int(step)
+        saved = [tuple(x) for x in state.get("levels", [])]
+        current = [(lv.period, lv.group_size) for lv in self.config.levels]
+        if saved and saved != current:
+            warn_at_caller(
+                f"Resuming hierarchical averaging at step {self.step} with levels {current}, but the checkpoint "
+                f"was saved with levels {saved}. The schedule continues from the saved count with the new levels."
+            )
+        saved_warmup = state.get("warmup_steps")
+        if saved_warmup is not None and saved_warmup != self.config.warmup_steps:
+            warn_at_caller(
+                f"Resuming hierarchical averaging at step {self.step} with warmup_steps={self.config.warmup_steps}, "
+                f"but the checkpoint was saved with warmup_steps={saved_warmup}. The new warm-up applies."
+            )
+        self._verify_step_pending = True
+
+    def verify_step_if_loaded(self) -> None:
+        """After a load, check once that every rank resumed at the same count (collective over the group)."""
+        if self._verify_step_pending:
+            self._verify_step_pending = False
+            agree_across_ranks(
+                "the averaging step count after load_state_dict (checked at the first step after construction "
+                "or loading)",
+                self.step,
+                self.process_group,
+                fix="Load the same checkpoint on every rank (or on none) before stepping.",
+            )
