@@ -143,7 +143,7 @@ def _full_masters(engine):
     """Full fp32 master weights per module parameter (DeepSpeed's own accessors). Collective in the replica."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from hieravg_optim.deepspeed import _optimizer_kind
+    from hieravg_optim.deepspeed.engine import _optimizer_kind
 
     kind = _optimizer_kind(engine.optimizer)
     params = list(engine.module.parameters())
@@ -661,18 +661,18 @@ def test_missing_optimizer_raises_before_any_process_group():
 
 
 def test_ranks_per_replica_auto_reads_the_launcher(monkeypatch):
-    from hieravg_optim.deepspeed import _resolve_ranks_per_replica, parse_section
+    from hieravg_optim.deepspeed.section import parse_section, resolve_ranks_per_replica
 
     settings = parse_section({"period_group_size": {"4": 8}})
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_SIZE", "4")  # the deepspeed launcher
-    assert _resolve_ranks_per_replica(settings) == 4
+    assert resolve_ranks_per_replica(settings) == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun
-    assert _resolve_ranks_per_replica(settings) == 2
+    assert resolve_ranks_per_replica(settings) == 2
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.delenv("LOCAL_SIZE")
     with pytest.raises(ValueError, match="ranks_per_replica"):
-        _resolve_ranks_per_replica(settings)
+        resolve_ranks_per_replica(settings)
 
 
 CONFIG_FILES = sorted((ROOT / "ds_configs").glob("*.json"))
@@ -688,7 +688,7 @@ def test_ds_configs_cover_every_stage_and_precision():
 def test_ds_config_loads_with_this_library_and_deepspeed(path):
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from hieravg_optim.deepspeed import SECTION, _read_config, parse_section
+    from hieravg_optim.deepspeed.section import SECTION, _read_config, parse_section
 
     loaded = _read_config(str(path))
     settings = parse_section(loaded[SECTION])

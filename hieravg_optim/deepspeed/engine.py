@@ -1,0 +1,253 @@
+"""The averaging attached to a DeepSpeed engine: its fp32 master weights and its step hook.
+
+:class:`DeepSpeedAveraging` knows, for each kind of DeepSpeed optimizer (ZeRO 0-3, fp32,
+bf16, fp16), which tensors are this rank's fp32 master weights and how DeepSpeed's own
+routines push them into the live module parameters; :func:`attach` hooks it into the
+engine's optimizer step and checkpoints. Written against DeepSpeed 0.19.8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._handover import hand_over
+from ..averager import HierarchicalAverager
+from ..config import AveragingConfig
+from .checkpoint import wrap_checkpoints
+from .mpu import ReplicaParallelUnit
+
+__all__ = ["DeepSpeedAveraging", "attach", "get_averaging"]
+
+_ATTRIBUTE = "hierarchical_averaging"
+"""The engine attribute holding its :class:`DeepSpeedAveraging`."""
+
+
+def _optimizer_kind(optimizer: Any) -> str:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        if getattr(optimizer, "swap_optimizer", False) or any(
+            t is None for t in optimizer.fp16_partitioned_groups_flat
+        ):
+            raise NotImplementedError(
+                "Hierarchical averaging does not support ZeRO-3 with NVMe offload of parameters or optimizer "
+                'state. Use "offload_optimizer": {"device": "cpu"} or no offload.'
+            )
+        return "zero3"
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return "zero12"
+    if isinstance(optimizer, BF16_Optimizer):
+        return "bf16"
+    if isinstance(optimizer, FP16_Optimizer):
+        return "fp16_fused"
+    if isinstance(optimizer, FP16_UnfusedOptimizer):
+        return "fp16_unfused"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return "plain"
+    raise TypeError(
+        f"Hierarchical averaging does not know the master weights of DeepSpeed optimizer "
+        f"{type(optimizer).__name__}. Supported: ZeRO stages 0-3 with fp32, bf16 or fp16."
+    )
+
+
+class DeepSpeedAveraging:
+    """The averaging attached to one DeepSpeed engine (``engine.hierarchical_averaging``).
+
+    Holds the :class:`~hieravg_optim.HierarchicalAverager` (step count, subgroups,
+    buckets, metrics), knows the engine's fp32 master weights and how to push them into
+    the live module parameters.
+
+    Which tensors are averaged (each rank only its own; nothing is copied):
+
+    * ZeRO-1/2: ``single_partition_of_fp32_groups`` (this rank's fp32 partition of each
+      parameter group), then ``update_lp_params()`` copies it into the bf16/fp16/fp32 module
+      partition and all-gathers it within the replica;
+    * ZeRO-3: ``fp32_partitioned_groups_flat`` (this rank's fp32 partition of each
+      sub-group), then each sub-group's partitioned parameters are rewritten from it and the
+      persistent (small, always gathered) parameters are re-gathered;
+    * ZeRO-1 with bf16 and fp32 gradient accumulation (``BF16_Optimizer``):
+      ``fp32_groups_flat_partition``, then ``update_lp_params()``;
+    * ZeRO-0 with fp16 or bf16: the fp32 master copies (``fp32_groups`` or
+      ``fp32_groups_flat``), then copied into the module's parameters;
+    * ZeRO-0 with fp32: the module parameters of the optimizer's parameter groups.
+
+    Optimizer state (Adam moments) is not averaged, as in torch's ``PostLocalSGDOptimizer``.
+    """
+
+    def __init__(self, engine: Any, config: AveragingConfig, mpu: ReplicaParallelUnit) -> None:
+        self.engine = engine
+        self.config = config
+        self.mpu = mpu
+        self.kind = _optimizer_kind(engine.optimizer)
+        backend = str(dist.get_backend())
+        if "gloo" not in backend and any(t.device.type == "cpu" for t in self.master_tensors()):
+            raise NotImplementedError(
+                f"The fp32 master weights are on the CPU (ZeRO optimizer offload) but the process group backend is "
+                f"{backend!r}, which cannot all-reduce CPU tensors. Turn off offload_optimizer, or initialise "
+                'torch.distributed with a CPU-capable backend such as "cpu:gloo,cuda:nccl".'
+            )
+        self.averager = HierarchicalAverager(config)
+
+    @property
+    def step(self) -> int:
+        """The averaging step count: engine optimizer steps (boundaries) taken so far."""
+        return self.averager.step
+
+    @property
+    def replica_index(self) -> int:
+        """This rank's replica: ``rank // ranks_per_replica``."""
+        return self.mpu.replica_index
+
+    def metrics(self) -> dict[int, dict[str, Any]]:
+        """Per level, keyed by period: rounds, bytes, seconds (see :class:`~hieravg_optim.LevelMetrics`)."""
+        return self.averager.metrics()
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        """This rank's fp32 master weights (its partition under ZeRO), in a fixed order.
+
+        Views of DeepSpeed's own buffers: averaging them in place updates the optimizer's weights.
+        """
+        opt = self.engine.optimizer
+        if self.kind == "zero12":
+            return [t.detach() for t in opt.single_partition_of_fp32_groups]
+        if self.kind == "zero3":
+            return [t.detach() for t in opt.fp32_partitioned_groups_flat]
+        if self.kind == "bf16":
+            return [t.detach() for t in opt.fp32_groups_flat_partition]
+        if self.kind == "fp16_fused":
+            return [t.detach() for t in opt.fp32_groups_flat]
+        if self.kind == "fp16_unfused":
+            return [p.detach() for group in opt.fp32_groups for p in group]
+        seen: set[int] = set()
+        out = []
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p.detach())
+        return out
+
+    @torch.no_grad()
+    def push_to_module(self) -> None:
+        """Copy the master weights into the live module parameters, with DeepSpeed's own routines.
+
+        .. warning::
+            Collective over the replica under ZeRO-1/2 and ``BF16_Optimizer`` (all-gather) and
+            under ZeRO-3 with persistent parameters: every rank of the replica must call it.
+        """
+        opt = self.engine.optimizer
+        if self.kind in ("zero12", "bf16"):
+            opt.update_lp_params()
+        elif self.kind == "zero3":
+            # As DeepSpeedZeroOptimizer_Stage3.step does: release every gathered parameter (the
+            # persistent ones too), rewrite the partitions, re-gather the persistent ones.
+            opt._partition_all_parameters()
+            for sub_group_id in range(len(opt.fp16_groups)):
+                opt._reassign_or_swap_out_partitioned_parameters(sub_group_id)
+            if len(opt.persistent_parameters) > 0:
+                opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+            opt.invalidate_secondary_tensor()
+        elif self.kind == "fp16_fused":
+            from torch._utils import _unflatten_dense_tensors
+
+            for flat, group in zip(opt.fp32_groups_flat, opt.fp16_groups):
+                for p, q in zip(group, _unflatten_dense_tensors(flat, group)):
+                    p.data.copy_(q)
+        elif self.kind == "fp16_unfused":
+            for fp32_group, lp_group in zip(opt.fp32_groups, opt.fp16_groups):
+                for fp32, lp in zip(fp32_group, lp_group):
+                    lp.data.copy_(fp32.data)
+        # "plain": the master weights are the module parameters.
+
+    def after_engine_step(self) -> int | None:
+        """Advance the schedule by one engine optimizer step; average and push if due.
+
+        Called after every gradient-accumulation boundary, whether or not DeepSpeed skipped
+        the update (fp16/bf16 overflow), so every rank's count stays equal to the engine's
+        ``global_steps`` and every rank of an averaging group enters the same collectives.
+
+        Returns:
+            The index of the level that averaged, or ``None``.
+        """
+        index = self.averager.step_and_average(self.master_tensors)
+        if index is not None and self.averager.level_groups[index].group is not None:
+            self.push_to_module()
+        return index
+
+    def average_now(self, level_index: int = -1) -> None:
+        """Average the master weights at one level now, whatever the count, and push them into the module.
+
+        ``-1`` is the top level: every replica ends with the same weights (e.g. before evaluation).
+        The step count does not change.
+
+        .. warning::
+            Collective over this rank's subgroup at that level and over its replica.
+        """
+        self.averager.average(level_index, self.master_tensors())
+        if self.averager.level_groups[level_index].group is not None:
+            self.push_to_module()
+
+    @torch.no_grad()
+    def broadcast_from_first_replica(self) -> None:
+        """Make every replica start from replica 0's master weights (as DDP broadcasts from rank 0).
+
+        .. warning::
+            Collective over the default process group.
+        """
+        top = self.averager.level_groups[-1]
+        if top.group is not None:
+            for t in self.master_tensors():
+                hand_over(t)
+                dist.broadcast(t, src=top.ranks[0], group=top.group)
+        self.push_to_module()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The averaging state saved in checkpoints (step count, levels, warm-up)."""
+        return self.averager.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; every rank checks the count at the next step."""
+        self.averager.load_state_dict(state)
+
+
+def get_averaging(engine: Any) -> DeepSpeedAveraging | None:
+    """The :class:`DeepSpeedAveraging` of an engine built by :func:`initialize`, or ``None``."""
+    return engine.__dict__.get(_ATTRIBUTE)
+
+
+def attach(engine: Any, state: DeepSpeedAveraging) -> None:
+    """Attach ``state`` to ``engine`` as ``engine.hierarchical_averaging``, and hook it into the engine.
+
+    ``state.after_engine_step()`` then runs after every engine optimizer step (``_take_model_step``),
+    and ``save_checkpoint`` / ``load_checkpoint`` keep each replica in its own folder (see
+    :func:`~hieravg_optim.deepspeed.checkpoint.wrap_checkpoints`).
+
+    Raises:
+        NotImplementedError: if the engine lacks a method this adapter wraps (a DeepSpeed other than 0.19).
+    """
+    for name in ("_take_model_step", "save_checkpoint", "load_checkpoint"):
+        if not callable(getattr(type(engine), name, None)):
+            import deepspeed
+
+            raise NotImplementedError(
+                f"DeepSpeedEngine.{name} is missing in DeepSpeed {deepspeed.__version__}; hieravg_optim.deepspeed "
+                "is written for DeepSpeed 0.19. Use HierarchicalAveragingOptimizer with plain DDP instead."
+            )
+    original_take_model_step = engine._take_model_step
+
+    def _take_model_step(*args: Any, **kwargs: Any) -> Any:
+        out = original_take_model_step(*args, **kwargs)
+        state.after_engine_step()
+        return out
+
+    wrap_checkpoints(engine, state)
+    engine._take_model_step = _take_model_step
+    engine.__dict__[_ATTRIBUTE] = state
