@@ -30,7 +30,6 @@ __all__ = [
     "describe_difference",
     "digest",
     "raise_on_every_rank",
-    "raise_together",
     "tensor_signature",
 ]
 
@@ -106,18 +105,6 @@ def raise_on_every_rank(error: BaseException, process_group: dist.ProcessGroup |
     if member:
         agree_across_ranks(what, None, process_group, error=error)
     raise error
-
-
-def raise_together(error: BaseException | None) -> None:
-    """Raise ``error`` on this rank, and a RuntimeError on every other rank, if any rank failed (collective)."""
-    messages: list = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
-    if failed:
-        rank, message = failed[0]
-        raise RuntimeError(f"FSDP hierarchical averaging setup failed on rank {rank}: {message}")
 
 
 def check_agreement(

@@ -92,6 +92,10 @@ class HierarchicalAverager:
         process_group: The overall process group; ``None`` means the default group.
         log_metrics_every: Log :meth:`metrics` through the ``hieravg_optim.optimizer`` logger at INFO every
             this many steps (at step counts that are multiples of it); ``None`` never logs.
+        agreed: ``True`` when the caller has already checked ``config`` with
+            :meth:`AveragingConfig.check_world_size` against the size of ``process_group`` and agreed on
+            it across its ranks (:func:`hieravg_optim.deepspeed.initialize` does both, in its one
+            agreement collective): the constructor then skips that check and its own agreement collective.
 
     Raises:
         ValueError: from :meth:`AveragingConfig.check_world_size`, or for a ``log_metrics_every``
@@ -106,6 +110,7 @@ class HierarchicalAverager:
         process_group: dist.ProcessGroup | None = None,
         *,
         log_metrics_every: int | None = None,
+        agreed: bool = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             check_log_metrics_every(log_metrics_every)  # a bad value is named first, as with a process group
@@ -121,14 +126,17 @@ class HierarchicalAverager:
                 "only on the ranks of process_group (each rank passes the group it belongs to)."
             )
         self.world_size = dist.get_world_size(self.process_group)
-        # Local checks; a failure on some ranks only is raised on every rank by the agreement below.
-        error: BaseException | None = None
-        try:
+        if agreed:
             check_log_metrics_every(log_metrics_every)
-            config.check_world_size(self.world_size)
-        except ValueError as exc:
-            error = exc
-        agree_across_ranks("the averaging config", asdict(config), self.process_group, error=error)
+        else:
+            # Local checks; a failure on some ranks only is raised on every rank by the agreement below.
+            error: BaseException | None = None
+            try:
+                check_log_metrics_every(log_metrics_every)
+                config.check_world_size(self.world_size)
+            except ValueError as exc:
+                error = exc
+            agree_across_ranks("the averaging config", asdict(config), self.process_group, error=error)
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
         self.step = 0
         """The averaging step count: optimizer steps taken so far (``HierarchicalModelAverager.step``)."""

@@ -80,9 +80,19 @@ class DeepSpeedAveraging:
     * ZeRO-0 with fp32: the module parameters of the optimizer's parameter groups.
 
     Optimizer state (Adam moments) is not averaged, as in torch's ``PostLocalSGDOptimizer``.
+
+    Args:
+        engine: The DeepSpeed engine, built with ``mpu``.
+        config: The averaging settings; ``ranks_per_replica`` is ``mpu``'s.
+        mpu: The replica mpu the engine was built with.
+        agreed: ``True`` when ``config`` was already checked against the world size and agreed on
+            across ranks, as :func:`~hieravg_optim.deepspeed.initialize` does: the averager then skips
+            its own check and agreement collective.
     """
 
-    def __init__(self, engine: Any, config: AveragingConfig, mpu: ReplicaParallelUnit) -> None:
+    def __init__(
+        self, engine: Any, config: AveragingConfig, mpu: ReplicaParallelUnit, *, agreed: bool = False
+    ) -> None:
         self.engine = engine
         self.config = config
         self.mpu = mpu
@@ -94,7 +104,7 @@ class DeepSpeedAveraging:
                 f"{backend!r}, which cannot all-reduce CPU tensors. Turn off offload_optimizer, or initialise "
                 'torch.distributed with a CPU-capable backend such as "cpu:gloo,cuda:nccl".'
             )
-        self.averager = HierarchicalAverager(config)
+        self.averager = HierarchicalAverager(config, agreed=agreed)
 
     @property
     def step(self) -> int:

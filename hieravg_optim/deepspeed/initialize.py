@@ -81,7 +81,8 @@ def initialize(
 
     Without the section, or with ``"enabled": false``, this is exactly :func:`deepspeed.initialize`,
     after one agreement across ranks (an all-gather of two int64 per rank over the default group),
-    so that a section present on some ranks only is a ``RuntimeError`` on every rank.
+    so that a section present on some ranks only is a ``RuntimeError`` on every rank. With it, that
+    same one agreement checks the resolved settings, before any group is created.
 
     With it, the engine also gets ``engine.hierarchical_averaging`` (a :class:`DeepSpeedAveraging`),
     counts one averaging step per engine optimizer step (gradient-accumulation boundary,
@@ -257,7 +258,8 @@ def _initialize_with_averaging(
     )
     assert engine.optimizer is not None, "DeepSpeed built no optimizer although one was given"
     dataloader = _shard_over_world(engine, dataloader, training_data, collate_fn)
-    state = DeepSpeedAveraging(engine, averaging_config, replica_mpu)
+    # Checked against the world size and agreed on in _agree: the averager's own agreement would repeat it.
+    state = DeepSpeedAveraging(engine, averaging_config, replica_mpu, agreed=True)
     state.broadcast_from_first_replica()
     attach(engine, state)
     if dist.get_rank() == 0:

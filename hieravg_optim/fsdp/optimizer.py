@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from ..agreement import raise_together
+from ..agreement import raise_on_every_rank
 from ..optimizer import HierarchicalAveragingOptimizer
 from ..schedule import AveragingLevel
 from .mesh import HSDP_FIX, REPLICATE_DIM, SHARD_DIM, check_fsdp1_strategy, check_replicate_shard_mesh
@@ -72,7 +72,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             hybrid sharding (HYBRID_SHARD, _HYBRID_SHARD_ZERO2, a 2-D FSDP2 mesh), FSDP sharded over other
             ranks than this rank's mesh row, an optimizer parameter FSDP does not manage, or a bad schedule.
         NotImplementedError: for FSDP1's NO_SHARD.
-        RuntimeError: if the ranks disagree (one rank's validation failed: every rank raises).
+        RuntimeError: if the ranks disagree (one rank's validation failed: every rank raises, in the
+            constructor's one agreement collective).
 
     Example::
 
@@ -94,13 +95,13 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group() first.")
-        error: BaseException | None = None
         try:
             _, shards = check_replicate_shard_mesh(mesh)
             self._fsdp_version, self._flat_params = _validate_module(module, optimizer, mesh)
         except (TypeError, ValueError, NotImplementedError) as exc:
-            error = exc
-        raise_together(error)
+            # Raised here; the other ranks raise a RuntimeError naming this rank in the agreement of the
+            # averager they are about to build (the constructor's one agreement collective).
+            raise_on_every_rank(exc, None, "the FSDP module and mesh")
         self.module = module
         self.mesh = mesh
         super().__init__(
