@@ -2,9 +2,9 @@
 
 A rank whose local check fails must not simply raise: the other ranks would wait for it in
 their next collective until the process group's timeout. The functions here cost one small
-collective each; on a failure or a disagreement every rank of the group raises, the failed
-rank its own error, the others a ``RuntimeError`` naming that rank and its error, or the two
-ranks that disagree and their values.
+collective each (one more, gathering the details, only on a failure or a disagreement); then
+every rank of the group raises, the failed rank its own error, the others a ``RuntimeError``
+naming that rank and its error, or the two ranks that disagree and their values.
 
 * :func:`agree_across_ranks`: the ranks hold the same value (a config, a step count) and none
   failed its local checks; :func:`raise_on_every_rank` is its failure-only form.
@@ -94,9 +94,13 @@ def agree_across_ranks(
 
 
 def raise_on_every_rank(error: BaseException, process_group: dist.ProcessGroup | None, what: str) -> None:
-    """Raise ``error`` here, after letting the other ranks of ``process_group`` raise too (see ``agree_across_ranks``).
+    """Raise ``error`` here, after letting the other ranks of ``process_group`` raise too (see :func:`agree_across_ranks`).
 
     Without an initialized process group this rank belongs to, it just raises.
+
+    .. warning::
+        Collective over ``process_group``: the other ranks must reach :func:`agree_across_ranks` over
+        the same group at this point (e.g. the averager's agreement in its constructor).
     """
     try:
         member = dist.is_available() and dist.is_initialized() and dist.get_rank(process_group) >= 0

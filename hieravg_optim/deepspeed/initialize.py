@@ -81,8 +81,8 @@ def initialize(
 
     Without the section, or with ``"enabled": false``, this is exactly :func:`deepspeed.initialize`,
     after one agreement across ranks (an all-gather of two int64 per rank over the default group),
-    so that a section present on some ranks only is a ``RuntimeError`` on every rank. With it, that
-    same one agreement checks the resolved settings, before any group is created.
+    so that a section present on some ranks only is a ``RuntimeError`` on every rank. With the
+    section, that one agreement also covers the resolved settings, before any group is created.
 
     With it, the engine also gets ``engine.hierarchical_averaging`` (a :class:`DeepSpeedAveraging`),
     counts one averaging step per engine optimizer step (gradient-accumulation boundary,
