@@ -90,7 +90,7 @@ def doc_block(name: str) -> str:
     A block may appear in several files (the README's quickstarts are repeated on the docs
     pages); every copy must then be identical, so no copy can go stale untested.
     """
-    pattern = re.compile(rf"<!-- test:{re.escape(name)} -->\s*```[a-z]*\n(.*?)```", re.S)
+    pattern = re.compile(rf"^<!-- test:{re.escape(name)} -->\s*```[a-z]*\n(.*?)```", re.S | re.M)
     found: dict[str, str] = {}
     for path in doc_files():
         for match in pattern.finditer(path.read_text()):
