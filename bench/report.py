@@ -1,18 +1,29 @@
-"""Print the Markdown tables of the README's Performance section from ``bench/results/*.json``.
+"""Render the Markdown tables of the performance page from ``bench/results/*.json``.
 
-    python bench/report.py
+    python bench/report.py          # print every table to stdout
+    python bench/report.py --docs   # write them to docs/snippets/bench_<name>.md for the docs site,
+                                    # and copy bench/results/convergence.png to docs/img/
 
 Reads whatever of ``averaging.json``, ``overhead.json``, ``convergence.json`` and
-``multinode.json`` exists; it measures nothing itself.
+``multinode.json`` exists; it measures nothing itself. ``docs/performance.md`` includes the
+``--docs`` files (``--8<--`` snippets), so rerun it after a benchmark rewrites its results.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import sys
+from collections.abc import Callable
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+DOCS_SNIPPETS = os.path.join(ROOT, "docs", "snippets")
+DOCS_IMAGES = os.path.join(ROOT, "docs", "img")
+PLOTS = ("convergence.png",)
+"""Plots under ``bench/results/`` that the performance page shows, copied by ``--docs``."""
 
 
 def _load(name: str):
@@ -23,94 +34,151 @@ def _load(name: str):
         return json.load(f)
 
 
+def _writer(out: list[str]) -> Callable[..., None]:
+    """A ``print`` that appends its line to ``out``."""
+
+    def w(text: str = "") -> None:
+        out.append(text + "\n")
+
+    return w
+
+
 def _mb(b: float) -> str:
     return f"{b / 1e6:.1f}"
 
 
-def averaging(d) -> None:
+def averaging(d) -> str:
+    out: list[str] = []
+    w = _writer(out)
     env = d["environment"]
-    print(f"Measured {env['utc']}, load average {env['load_average_1_5_15']} on {env['host_cpus']} CPUs; "
-          f"median of {d['reps']} rounds (slowest rank); peak extra memory: {d['memory_method']}.\n")
-    print("| model | ranks | ours s | torch s | floor s | ours/floor (<= 1.2) | ours/torch (<= 0.7) | "
-          "peak extra MB: ours | torch | target ours (bucket + largest tensor) | model MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    w(f"Measured {env['utc']}, load average {env['load_average_1_5_15']} on {env['host_cpus']} CPUs; "
+      f"median of {d['reps']} rounds (slowest rank); peak extra memory: {d['memory_method']}.\n")
+    w("| model | ranks | ours s | torch s | floor s | ours/floor (<= 1.2) | ours/torch (<= 0.7) | "
+      "peak extra MB: ours | torch | target ours (bucket + largest tensor) | model MB |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in d["rows"]:
         m, p = r["median_s"], r["peak_extra_bytes"]
-        print(f"| {r['model']} ({r['tensors']} tensors) | {r['world_size']} | {m['ours']:.3f} | {m['torch']:.3f} | "
-              f"{m['floor']:.3f} | {r['ratio_ours_floor']:.2f} | {r['ratio_ours_torch']:.2f} | {_mb(p['ours'])} | "
-              f"{_mb(p['torch'])} | {_mb(r['ours_memory_target_bytes'])} | {_mb(r['model_bytes'])} |")
-    print("\nFastest round of each contender instead of the median (less sensitive to other jobs): " + "; ".join(
+        w(f"| {r['model']} ({r['tensors']} tensors) | {r['world_size']} | {m['ours']:.3f} | {m['torch']:.3f} | "
+          f"{m['floor']:.3f} | {r['ratio_ours_floor']:.2f} | {r['ratio_ours_torch']:.2f} | {_mb(p['ours'])} | "
+          f"{_mb(p['torch'])} | {_mb(r['ours_memory_target_bytes'])} | {_mb(r['model_bytes'])} |")
+    w("\nFastest round of each contender instead of the median (less sensitive to other jobs): " + "; ".join(
         f"{r['model']}/{r['world_size']} ranks: ours/floor {r['min_ratio_ours_floor']:.2f}, ours/torch "
         f"{r['min_ratio_ours_torch']:.2f}" for r in d["rows"] if "min_ratio_ours_floor" in r) + ".")
     ab = [r for r in d["rows"] if "ratio_ours_raw_baseline_raw" in r]
     if ab:
-        print(f"\nA/B against `average_tensors_` at {ab[0]['baseline_rev']} (before the changes for this benchmark), "
-              "same processes, medians: now / before = " + "; ".join(
-                  f"{r['model']}/{r['world_size']} ranks: **{r['ratio_ours_raw_baseline_raw']:.2f}** "
-                  f"(before/floor {r['ratio_baseline_raw_floor']:.2f}, now/floor {r['ratio_ours_raw_floor']:.2f})"
-                  for r in ab) + ".")
+        w(f"\nA/B against `average_tensors_` at {ab[0]['baseline_rev']} (before the changes for this benchmark), "
+          "same processes, medians: now / before = " + "; ".join(
+              f"{r['model']}/{r['world_size']} ranks: **{r['ratio_ours_raw_baseline_raw']:.2f}** "
+              f"(before/floor {r['ratio_baseline_raw_floor']:.2f}, now/floor {r['ratio_ours_raw_floor']:.2f})"
+              for r in ab) + ".")
     for s in d["sharded"]:
         per = sorted(set(s["payload_bytes_per_round_by_rank"]))
-        print(f"\nSharded mode ({s['model']}, {s['world_size']} ranks, {s['ranks_per_replica']} ranks per replica): "
-              f"each rank all-reduces {', '.join(_mb(b) for b in per)} MB per round (from `metrics()`), "
-              f"model {_mb(s['model_bytes'])} MB / {s['ranks_per_replica']} = {_mb(s['model_bytes'] / s['ranks_per_replica'])} MB; "
-              f"ours {s['median_s']['ours']:.3f} s vs floor {s['median_s']['floor']:.3f} s on the same subgroup "
-              f"(ours/floor {s['ratio_ours_floor']:.2f}).")
+        w(f"\nSharded mode ({s['model']}, {s['world_size']} ranks, {s['ranks_per_replica']} ranks per replica): "
+          f"each rank all-reduces {', '.join(_mb(b) for b in per)} MB per round (from `metrics()`), "
+          f"model {_mb(s['model_bytes'])} MB / {s['ranks_per_replica']} = {_mb(s['model_bytes'] / s['ranks_per_replica'])} MB; "
+          f"ours {s['median_s']['ours']:.3f} s vs floor {s['median_s']['floor']:.3f} s on the same subgroup "
+          f"(ours/floor {s['ratio_ours_floor']:.2f}).")
+    return "".join(out)
 
 
-def overhead(d) -> None:
+def overhead(d) -> str:
+    out: list[str] = []
+    w = _writer(out)
     env = d["environment"]
-    print(f"Measured {env['utc']}, load average {env['load_average_1_5_15']}; median of {d['blocks']} blocks.\n")
-    print("| model | inner | bare µs/step | wrapped µs/step | ratio (<= 1.02) | wrapper's own work µs/step | (bare + own) / bare |")
-    print("|---|---|---|---|---|---|---|")
+    w(f"Measured {env['utc']}, load average {env['load_average_1_5_15']}; median of {d['blocks']} blocks.\n")
+    w("| model | inner | bare µs/step | wrapped µs/step | ratio (<= 1.02) | wrapper's own work µs/step | (bare + own) / bare |")
+    w("|---|---|---|---|---|---|---|")
     for r in d["rows"]:
         m = r["median_step_s"]
-        print(f"| {r['model']} | {r['inner']} | {m['bare'] * 1e6:.1f} | {m['wrapped'] * 1e6:.1f} | "
-              f"{r['ratio_wrapped_bare']:.3f} | {r['isolated_wrapper_us_per_step']:.2f} | {r['isolated_ratio']:.4f} |")
+        w(f"| {r['model']} | {r['inner']} | {m['bare'] * 1e6:.1f} | {m['wrapped'] * 1e6:.1f} | "
+          f"{r['ratio_wrapped_bare']:.3f} | {r['isolated_wrapper_us_per_step']:.2f} | {r['isolated_ratio']:.4f} |")
+    return "".join(out)
 
 
-def convergence(d) -> None:
+def convergence(d) -> str:
+    out: list[str] = []
+    w = _writer(out)
     a = d["args"]
-    print(f"{a['steps']} steps, batch {a['batch']} per rank, SGD lr {a['lr']} momentum 0.9, MLP hidden {a['hidden']}; "
-          "loss and accuracy of the mean of the 8 replicas after the last step.\n")
-    print("| split | contender | rounds per level (asserted) | global rounds | final training loss | test accuracy % |")
-    print("|---|---|---|---|---|---|")
+    w(f"{a['steps']} steps, batch {a['batch']} per rank, SGD lr {a['lr']} momentum 0.9, MLP hidden {a['hidden']}; "
+      "loss and accuracy of the mean of the 8 replicas after the last step.\n")
+    w("| split | contender | rounds per level (asserted) | global rounds | final training loss | test accuracy % |")
+    w("|---|---|---|---|---|---|")
     for r in d["rows"]:
         rpl = ", ".join(f"{k}: {v}" for k, v in r["rounds_per_level"].items())
         rpl = rpl.replace("grad_allreduce_every_step", "gradient all-reduce")
-        print(f"| {r['split']} | {r['contender']} | {rpl} | {r['global_rounds']} | {r['final_train_loss']:.4f} | "
-              f"{100 * r['final_test_accuracy']:.2f} |")
+        w(f"| {r['split']} | {r['contender']} | {rpl} | {r['global_rounds']} | {r['final_train_loss']:.4f} | "
+          f"{100 * r['final_test_accuracy']:.2f} |")
     for split, c in d["checks"].items():
-        print(f"\n{split}: loss(local_4) <= loss(hier_2lvl) <= loss(local_32): **{c['loss_local4_le_hier_le_local32']}**; "
-              f"accuracy(hier_2lvl) - accuracy(sync_dp) = **{c['hier_acc_minus_sync_points']:+.2f}** points; "
-              f"global rounds {c['global_round_ratio_sync_over_hier']:.0f}x fewer.")
+        w(f"\n{split}: loss(local_4) <= loss(hier_2lvl) <= loss(local_32): **{c['loss_local4_le_hier_le_local32']}**; "
+          f"accuracy(hier_2lvl) - accuracy(sync_dp) = **{c['hier_acc_minus_sync_points']:+.2f}** points; "
+          f"global rounds {c['global_round_ratio_sync_over_hier']:.0f}x fewer.")
+    return "".join(out)
 
 
-def multinode(d) -> None:
+def multinode(d) -> str:
+    out: list[str] = []
+    w = _writer(out)
     runs = d["runs"]
     dd = runs["ddp"]
     env = d["environment"]
-    print(f"Link {d['rate']} (measured {d['measured_link_mbit_s']:.0f} Mbit/s), model {dd['params'] / 1e6:.1f}M parameters "
-          f"({_mb(dd['model_bytes'])} MB), {dd['steps']} steps, batch {dd['batch_per_rank']} per rank; measured "
-          f"{env['utc']}, load average at start {env['load_average_at_start']}.\n")
-    print("| mode | levels | s/step (mean) | s/step (median) | total s | final training loss | test accuracy % |")
-    print("|---|---|---|---|---|---|---|")
+    w(f"Link {d['rate']} (measured {d['measured_link_mbit_s']:.0f} Mbit/s), model {dd['params'] / 1e6:.1f}M parameters "
+      f"({_mb(dd['model_bytes'])} MB), {dd['steps']} steps, batch {dd['batch_per_rank']} per rank; measured "
+      f"{env['utc']}, load average at start {env['load_average_at_start']}.\n")
+    w("| mode | levels | s/step (mean) | s/step (median) | total s | final training loss | test accuracy % |")
+    w("|---|---|---|---|---|---|---|")
     for mode, r in runs.items():
         lv = "gradient all-reduce every step" if not r["levels"] else "`" + json.dumps(r["levels"]) + "`"
-        print(f"| {mode} | {lv} | {r['seconds_per_step_mean']:.3f} | {r['seconds_per_step_median']:.3f} | "
-              f"{r['seconds_total']:.1f} | {r['final_train_loss_avg_model']:.4f} | {100 * r['final_test_accuracy_avg_model']:.2f} |")
-    print(f"\nWall-clock per step, DDP / hierarchical: **{d['speedup_ddp_over_hier_per_step']:.2f}x**.")
+        w(f"| {mode} | {lv} | {r['seconds_per_step_mean']:.3f} | {r['seconds_per_step_median']:.3f} | "
+          f"{r['seconds_total']:.1f} | {r['final_train_loss_avg_model']:.4f} | {100 * r['final_test_accuracy_avg_model']:.2f} |")
+    w(f"\nWall-clock per step, DDP / hierarchical: **{d['speedup_ddp_over_hier_per_step']:.2f}x**.")
+    return "".join(out)
+
+SECTIONS: tuple[tuple[str, Callable[[dict], str]], ...] = (
+    ("averaging", averaging), ("overhead", overhead), ("convergence", convergence), ("multinode", multinode),
+)
 
 
-def main() -> None:
-    for name, fn in (("averaging.json", averaging), ("overhead.json", overhead),
-                     ("convergence.json", convergence), ("multinode.json", multinode)):
-        d = _load(name)
-        print(f"\n<!-- {name} -->")
+def write_docs(snippets: str = DOCS_SNIPPETS, images: str = DOCS_IMAGES) -> list[str]:
+    """Write ``bench_<name>.md`` for each result into ``snippets`` and copy the plots into ``images``.
+
+    Returns:
+        The paths written. A missing result writes a one-line note instead of its tables,
+        so the page still builds.
+    """
+    os.makedirs(snippets, exist_ok=True)
+    os.makedirs(images, exist_ok=True)
+    written = []
+    for name, fn in SECTIONS:
+        d = _load(f"{name}.json")
+        text = fn(d) if d is not None else f"(no `bench/results/{name}.json`: run the benchmark to fill this in)\n"
+        path = os.path.join(snippets, f"bench_{name}.md")
+        with open(path, "w") as f:
+            f.write(text)
+        written.append(path)
+    for plot in PLOTS:
+        src = os.path.join(RESULTS, plot)
+        if os.path.exists(src):
+            shutil.copyfile(src, os.path.join(images, plot))
+            written.append(os.path.join(images, plot))
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", action="store_true",
+                        help="write docs/snippets/bench_<name>.md and docs/img/ instead of printing")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.docs:
+        for path in write_docs():
+            print(f"wrote {os.path.relpath(path, ROOT)}")
+        return
+    for name, fn in SECTIONS:
+        d = _load(f"{name}.json")
+        print(f"\n<!-- {name}.json -->")
         if d is None:
-            print(f"(no bench/results/{name})", file=sys.stderr)
+            print(f"(no bench/results/{name}.json)", file=sys.stderr)
             continue
-        fn(d)
+        print(fn(d), end="")
 
 
 if __name__ == "__main__":

@@ -19,12 +19,12 @@ import pytest
 
 from tests.harness import default_timeout
 
-__all__ = ["RANK_LINE", "ROOT", "check_ok", "readme_block", "torchrun"]
+__all__ = ["RANK_LINE", "ROOT", "check_ok", "doc_block", "doc_files", "torchrun"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
 RANK_LINE = r"rank (\d+): (loss ([0-9.]+), averaging rounds per period (\{[^}]*\}))"
-"""What the README quickstarts print per rank. Not anchored to line starts: the ranks share one
+"""What the documented quickstarts print per rank. Not anchored to line starts: the ranks share one
 pipe, and one rank's line can land right after another's without a newline between them."""
 
 
@@ -79,11 +79,23 @@ def check_ok(result: subprocess.CompletedProcess) -> None:
         )
 
 
-def readme_block(name: str) -> str:
-    """The fenced code block that follows ``<!-- test:NAME -->`` in the README."""
-    text = (ROOT / "README.md").read_text()
-    match = re.search(rf"<!-- test:{re.escape(name)} -->\s*```[a-z]*\n(.*?)```", text, re.S)
-    assert match, f"README.md has no fenced code block after <!-- test:{name} -->"
-    return match.group(1)
+def doc_files() -> list[Path]:
+    """The Markdown files whose ``<!-- test:NAME -->`` blocks the tests run: README.md and docs/**/*.md."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
+def doc_block(name: str) -> str:
+    """The fenced code block that follows ``<!-- test:NAME -->`` in README.md or a page under docs/.
+
+    A block may appear in several files (the README's quickstarts are repeated on the docs
+    pages); every copy must then be identical, so no copy can go stale untested.
+    """
+    pattern = re.compile(rf"^<!-- test:{re.escape(name)} -->\s*```[a-z]*\n(.*?)```", re.S | re.M)
+    found: dict[str, str] = {}
+    for path in doc_files():
+        for match in pattern.finditer(path.read_text()):
+            found.setdefault(str(path.relative_to(ROOT)), match.group(1))
+    assert found, f"no fenced code block after <!-- test:{name} --> in README.md or docs/"
+    copies = set(found.values())
+    assert len(copies) == 1, f"the copies of <!-- test:{name} --> differ between {sorted(found)}: keep them identical"
+    return copies.pop()

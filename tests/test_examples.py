@@ -1,4 +1,4 @@
-"""The torchrun digits example and the README's quickstarts, run as real launcher subprocesses.
+"""The torchrun digits example and the documented quickstarts (README.md, docs/), run as real launcher subprocesses.
 
 Each test launches ``torchrun --standalone``: its rendezvous is a c10d TCP store on a
 port the OS picks at run time (``localhost:0``), so there is no fixed port and no
@@ -27,7 +27,7 @@ import sys
 import pytest
 
 from tests.harness import default_timeout
-from tests.launch import RANK_LINE, ROOT, check_ok, readme_block, torchrun
+from tests.launch import RANK_LINE, ROOT, check_ok, doc_block, torchrun
 
 EXAMPLE = ROOT / "examples" / "train_digits.py"
 GOLDEN = ROOT / "tests" / "golden" / "train_digits_w4.json"
@@ -78,7 +78,7 @@ def compare_golden(metrics: dict) -> None:
 
 
 def test_train_digits_4_ranks_two_levels(tmp_path):
-    """The README's main job: 4 ranks, default hierarchy 4:2,16:4, accuracy target, exact rounds, golden run."""
+    """The torchrun digits example: 4 ranks, default hierarchy 4:2,16:4, accuracy target, exact rounds, golden run."""
     out = tmp_path / "digits.json"
     result = torchrun(4, EXAMPLE, "--metrics-out", str(out), progress_bar=True)
     check_ok(result)
@@ -130,16 +130,16 @@ def test_train_digits_without_torchrun_says_how_to_launch():
 
 
 @pytest.mark.parametrize("name", ["quickstart", "quickstart_ddp"])
-def test_readme_quickstart_runs(tmp_path, name):
-    """The README's quickstarts, pasted into a file and launched on 4 ranks, run and average as documented."""
+def test_documented_quickstart_runs(tmp_path, name):
+    """The documented quickstarts, pasted into a file and launched on 4 ranks, run and average as documented."""
     script = tmp_path / f"{name}.py"
-    script.write_text(readme_block(name))
+    script.write_text(doc_block(name))
     result = torchrun(4, script)
     check_ok(result)
-    shown = readme_block(f"{name}_output").strip()  # rank 0's line, as shown in the README
+    shown = doc_block(f"{name}_output").strip()  # rank 0's line, as shown in the docs
     shown_match = re.fullmatch(RANK_LINE, shown)
-    assert shown_match, f"the README's output {shown!r} does not match {RANK_LINE!r}"
+    assert shown_match, f"the documented output {shown!r} does not match {RANK_LINE!r}"
     printed = {m[0]: m[3] for m in re.findall(RANK_LINE, result.stdout)}
     assert sorted(printed) == ["0", "1", "2", "3"], result.stdout
     for rank, rounds in printed.items():
-        assert rounds == shown_match.group(4), f"rank {rank} printed rounds {rounds}, the README shows {shown!r}"
+        assert rounds == shown_match.group(4), f"rank {rank} printed rounds {rounds}, the docs show {shown!r}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import RANK_LINE, ROOT, check_ok, readme_block, torchrun
+from tests.launch import RANK_LINE, ROOT, check_ok, doc_block, torchrun
 
 EXAMPLE = ROOT / "examples" / "train_digits_fsdp.py"
 KEYS = {"world_size", "period_group_size", "final_loss", "test_accuracy", "rounds_per_level", "replicas_identical"}
@@ -54,16 +54,16 @@ def test_bad_group_size_fails_clearly():
     assert "multiple of ranks_per_replica=2" in result.stderr, result.stderr[-3000:]
 
 
-def test_readme_fsdp_quickstart_runs_and_checkpoints(tmp_path):
-    """The README's FSDP quickstart, pasted into a file and launched on 4 ranks in an empty folder."""
+def test_documented_fsdp_quickstart_runs_and_checkpoints(tmp_path):
+    """The FSDP quickstart (README.md, docs/fsdp.md), pasted into a file and launched on 4 ranks in an empty folder."""
     script = tmp_path / "fsdp_quickstart.py"
-    script.write_text(readme_block("fsdp_quickstart"))
+    script.write_text(doc_block("fsdp_quickstart"))
     result = torchrun(4, script, cwd=tmp_path)
     check_ok(result)
     lines = {m[0]: m[1] for m in re.findall(RANK_LINE, result.stdout)}
     assert sorted(lines) == ["0", "1", "2", "3"], result.stdout
-    # The README shows rank 0's actual line; the loss up to another CPU kernel path's rounding.
-    shown = re.fullmatch(r"rank 0: loss ([0-9.]+)(, averaging .*)", readme_block("fsdp_quickstart_output").strip())
+    # The docs show rank 0's actual line; the loss up to another CPU kernel path's rounding.
+    shown = re.fullmatch(r"rank 0: loss ([0-9.]+)(, averaging .*)", doc_block("fsdp_quickstart_output").strip())
     actual = re.fullmatch(r"loss ([0-9.]+)(, averaging .*)", lines["0"])
     assert shown and actual and shown.group(2) == actual.group(2), (shown, lines["0"])
     assert math.isclose(float(shown.group(1)), float(actual.group(1)), rel_tol=1e-3), (shown.group(0), lines["0"])

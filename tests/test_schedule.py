@@ -46,7 +46,7 @@ GOLDEN_4_6_WARMUP_0 = {
 }  # fmt: skip
 
 
-# The table of the README's semantics section: {2: 2, 4: 4}, counts 0..8.
+# The table of docs/semantics.md (also checked there by tests/test_docs.py): {2: 2, 4: 4}, counts 0..8.
 LEVELS_README = (AveragingLevel(2, 2), AveragingLevel(4, 4))
 GOLDEN_README_WARMUP_0 = {0: 1, 1: None, 2: 0, 3: None, 4: 1, 5: None, 6: 0, 7: None, 8: 1}
 GOLDEN_README_WARMUP_1 = {0: None, 1: None, 2: 0, 3: None, 4: 1, 5: None, 6: 0, 7: None, 8: 1}
