@@ -47,7 +47,12 @@ import torch.distributed as dist
 
 from ._handover import hand_over
 from .config import AveragingConfig
-from .optimizer import HierarchicalAverager, _agree_across_ranks, _raise_on_every_rank
+from .optimizer import (
+    HierarchicalAverager,
+    HierarchicalAveragingOptimizer,
+    _agree_across_ranks,
+    _raise_on_every_rank,
+)
 
 __all__ = [
     "SECTION",
@@ -703,6 +708,9 @@ def initialize(
             the engine is built; or for a ``train_batch_size`` that does not count one replica.
         NotImplementedError: with an ``mpu``, a ``mesh_param``, sequence parallelism, a pipeline
             module, a model built under ``deepspeed.zero.Init``, or ZeRO-3 NVMe offload.
+        TypeError: on every rank, before DeepSpeed is called, for an ``optimizer`` that is a
+            :class:`~hieravg_optim.HierarchicalAveragingOptimizer` (pass the inner optimizer; the
+            section does the averaging).
     """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -744,6 +752,13 @@ def initialize(
     loaded: dict[str, Any] | None = None
     settings: SectionSettings | None = None
     try:
+        if isinstance(optimizer, HierarchicalAveragingOptimizer):
+            raise TypeError(
+                f"optimizer is a {type(optimizer).__name__}: DeepSpeed would replace its param_groups with its own "
+                "flat partitions, a different part of the model on each rank. Pass the inner optimizer (e.g. "
+                f"optimizer={type(optimizer).__name__}(...).optimizer, or the torch.optim.AdamW you wrapped) "
+                f'and give the config a "{SECTION}" section: the section does the averaging.'
+            )
         loaded = _load_config(source) if source is not None else None
         if loaded is not None and SECTION in loaded:
             settings = parse_section(loaded[SECTION])

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ._handover import hand_over
 from .averaging import BucketPool, _collective_device, _digest, average_tensors_, check_agreement
 from .config import AveragingConfig, _is_int, _warn_at_caller
-from .groups import LevelGroup, build_level_groups
+from .groups import LevelGroup, averaging_subgroup_ranks, build_level_groups
 from .schedule import AveragingLevel, level_at
 
 try:  # torch >= 2.5
@@ -149,6 +149,133 @@ def _raise_on_every_rank(error: BaseException, process_group: dist.ProcessGroup 
     raise error
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+_FSDP_FIX = (
+    "Use hieravg_optim.fsdp instead: shard each replica over its own ranks with shard_replica(module, mesh) and "
+    "wrap the optimizer with FSDPHierarchicalAveragingOptimizer, which averages each shard only among the ranks "
+    "holding that same shard."
+)
+
+
+def _unique_params(param_groups: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, torch.Tensor]]:
+    """``(group index, index in group, parameter)`` of each parameter of ``param_groups``, once, in order."""
+    seen: set[int] = set()
+    out = []
+    for g, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((g, i, p))
+    return out
+
+
+def _same_shard_ranks(t: DTensor) -> tuple[list[int], set[int]] | None:
+    """The mesh dims that split ``t`` across ranks, and the ranks of its mesh holding the same local tensor.
+
+    ``None`` if this rank is not on ``t``'s mesh. A dim splits ``t`` unless its placement is ``Replicate``
+    (``Shard`` and ``Partial`` do): the ranks holding this rank's local tensor are those with this rank's
+    coordinate on every splitting dim.
+    """
+    mesh = t.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    split = [d for d, placement in enumerate(t.placements) if not placement.is_replicate()]
+    index = tuple(coordinate[d] if d in split else slice(None) for d in range(mesh.ndim))
+    return split, {int(r) for r in mesh.mesh[index].flatten().tolist()}
+
+
+def _check_dtensor_layout(
+    params: Sequence[tuple[int, int, torch.Tensor]], subgroups: Sequence[tuple[AveragingLevel, Sequence[int]]]
+) -> None:
+    """Raise if a DTensor of ``params`` has another shard on a rank of one of this rank's averaging ``subgroups``.
+
+    Local, no collective: a DTensor's mesh tells which ranks hold which shard.
+
+    Raises:
+        TypeError: naming the parameter, its mesh dims and placements, the ranks and the fix.
+    """
+    cache: dict[tuple[int, tuple], tuple[list[int], set[int]] | None] = {}
+    for g, i, p in params:
+        if not isinstance(p, DTensor):
+            continue
+        key = (id(p.device_mesh), tuple(p.placements))
+        if key not in cache:
+            cache[key] = _same_shard_ranks(p)
+        layout = cache[key]
+        if layout is None or not layout[0]:
+            continue
+        split, same = layout
+        mesh_ranks = {int(r) for r in p.device_mesh.mesh.flatten().tolist()}
+        for level, ranks in subgroups:
+            others = sorted((mesh_ranks - same) & set(ranks))
+            if others:
+                names = p.device_mesh.mesh_dim_names
+                dims = [f"{d} ({names[d]!r})" if names else str(d) for d in split]
+                raise TypeError(
+                    f"Parameter param_groups[{g}]['params'][{i}] (global shape {tuple(p.shape)}, local shape "
+                    f"{tuple(p.to_local().shape)}) is a DTensor split over mesh dim(s) {', '.join(dims)} with "
+                    f"placements {tuple(p.placements)}: ranks {others} hold other shards of it, but they are in "
+                    f"rank {dist.get_rank()}'s averaging subgroup {list(ranks)} (period {level.period}, group size "
+                    f"{level.group_size}). Averaging local shards there would mix different parts of the parameter. "
+                    + _FSDP_FIX
+                )
+
+
+def _own_subgroups(
+    config: AveragingConfig, process_group: dist.ProcessGroup | None
+) -> list[tuple[AveragingLevel, tuple[int, ...]]]:
+    """This rank's averaging subgroup at each level, as global ranks, without creating any group.
+
+    Empty if ``config`` does not fit the process group (the averager then raises) or this rank is not in it.
+    """
+    pg = process_group if process_group is not None else dist.group.WORLD
+    try:
+        global_ranks = dist.get_process_group_ranks(pg)
+        config.check_world_size(len(global_ranks))
+    except (ValueError, RuntimeError):
+        return []
+    me = dist.get_rank()
+    out = []
+    for level in config.levels:
+        for local in averaging_subgroup_ranks(len(global_ranks), level.group_size, config.ranks_per_replica):
+            ranks = tuple(sorted(global_ranks[i] for i in local))
+            if me in ranks:
+                out.append((level, ranks))
+    return out
+
+
+def _master_copy(optimizer: torch.optim.Optimizer) -> tuple[int, int, torch.Tensor, object] | None:
+    """The first optimizer state tensor that looks like an fp32 master copy of a float16 / bfloat16 parameter.
+
+    A master copy: a float32 state tensor of the parameter's shape whose values, rounded to the parameter's
+    dtype, equal the parameter right after a step (apex's and Transformer Engine's ``FusedAdam`` with
+    ``master_weights=True``). Adam's moments never equal the weights, so they do not match; an all-zero
+    parameter is skipped (its moments may be zero too). Costs one rounded copy of each such tensor.
+
+    Returns:
+        ``(group index, index in group, parameter, state key)``, or ``None``.
+    """
+    state = optimizer.state
+    for g, i, p in _unique_params(optimizer.param_groups):
+        if p.dtype not in _HALF:
+            continue
+        entries = state.get(p) if hasattr(state, "get") else None
+        if not entries:
+            continue
+        local = local_tensor(p)
+        if local.numel() == 0 or not bool(local.any()):
+            continue
+        for key, value in entries.items():
+            if not torch.is_tensor(value) or value.dtype != torch.float32 or value.shape != p.shape:
+                continue
+            value = local_tensor(value)
+            if value.shape == local.shape and value.to(device=local.device, dtype=local.dtype).equal(local):
+                return g, i, p, key
+    return None
+
+
 class HierarchicalAverager:
     """Hierarchical model averaging of a set of tensors, driven once per optimizer step.
 
@@ -231,13 +358,21 @@ class HierarchicalAverager:
         """Index of the level that averages at the current count, or ``None``."""
         return level_at(self.step, self.config.levels, self.config.warmup_steps)
 
-    def step_and_average(self, tensors: Callable[[], Sequence[torch.Tensor]]) -> int | None:
+    def step_and_average(
+        self,
+        tensors: Callable[[], Sequence[torch.Tensor]],
+        *,
+        check: Callable[[], BaseException | None] | None = None,
+    ) -> int | None:
         """Average ``tensors()`` if the schedule says so at the current count, then advance the count.
 
         Call it once per optimizer step, after the inner optimizer has stepped.
 
         Args:
             tensors: Called only when averaging is due; returns the tensors to average in place.
+            check: Called only when averaging is due, before ``tensors()``; returns the error of a
+                local check that failed (or ``None``), raised on every rank of the subgroup by
+                :meth:`average` before any averaging collective.
 
         Returns:
             The index of the level that averaged, or ``None``.
@@ -245,13 +380,16 @@ class HierarchicalAverager:
         self.verify_step_if_loaded()
         index = self.due_level()
         if index is not None:
-            self.average(index, tensors())
+            error = None if check is None else check()
+            self.average(index, tensors(), error=error)
         self.step += 1
         if self.log_metrics_every and self.step % self.log_metrics_every == 0:
             logger.info("hierarchical averaging at step %d: %s", self.step, self.metrics())
         return index
 
-    def average(self, level_index: int, tensors: Sequence[torch.Tensor]) -> None:
+    def average(
+        self, level_index: int, tensors: Sequence[torch.Tensor], *, error: BaseException | None = None
+    ) -> None:
         """Average ``tensors`` in place at level ``level_index`` now, whatever the count.
 
         ``level_index=-1`` averages at the top level: with ``ranks_per_replica=1``, over
@@ -260,13 +398,22 @@ class HierarchicalAverager:
         .. warning::
             Collective over this rank's subgroup at that level.
 
+        Args:
+            level_index: Index of the level in :attr:`levels`; -1 for the top level.
+            tensors: The tensors to average in place.
+            error: A local check of this rank that failed: raised here instead of averaging, and as
+                a ``RuntimeError`` on the other ranks of the subgroup, in the agreement collective.
+
         Raises:
-            RuntimeError: if the ranks of the subgroup disagree on the tensors (see
-                :func:`hieravg_optim.averaging.check_agreement`).
+            RuntimeError: if the ranks of the subgroup disagree on the tensors, or another rank passed
+                an ``error`` (see :func:`hieravg_optim.averaging.check_agreement`).
+            Exception: ``error``, if given.
         """
         lg = self.level_groups[level_index]
         metrics = self._metrics[level_index]
         if lg.group is None:
+            if error is not None:
+                raise error
             metrics.rounds += 1
             return
         start = time.perf_counter()
@@ -277,6 +424,7 @@ class HierarchicalAverager:
             context={"step count": self.step, "bucket_cap_mb": self.config.bucket_cap_mb},
             what=f"the parameters to average at step {self.step} (period {lg.level.period}, group size "
             f"{lg.level.group_size})",
+            error=error,
         )
         with torch.no_grad():
             payload = average_tensors_(
@@ -383,7 +531,22 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     Which tensors are averaged: every parameter in the inner optimizer's
     ``param_groups`` (each once, in order; a DTensor by its local shard), then the
     floating-point tensors of ``buffers``. Optimizer state (momentum, Adam moments)
-    is not averaged, as in torch.
+    is not averaged, as in torch. The averaged tensors must be the same tensor on every
+    rank of an averaging group, and the ones the next step reads:
+
+    * the parameters are those of ``param_groups`` at construction, plus those added
+      through this wrapper's :meth:`add_param_group`. If ``param_groups`` later holds
+      other tensors (e.g. DeepSpeed took this wrapper as its client optimizer and put
+      its flat ZeRO partitions there), the next averaging round raises instead.
+      Rebinding ``param_groups`` behind the wrapper is not supported;
+      ``load_state_dict`` keeps the parameters and is fine;
+    * a DTensor split (``Shard``, ``Partial``) over ranks of this rank's averaging
+      subgroup is a ``TypeError`` at construction: use :mod:`hieravg_optim.fsdp`;
+    * an inner optimizer that keeps fp32 master copies of low-precision parameters and
+      writes the parameters from them at each step (apex / Transformer Engine
+      ``FusedAdam(master_weights=True)``) must be given ``tensors_to_average`` naming the
+      masters; the first averaging round raises a ``ValueError`` where it finds such a
+      copy in the optimizer state without it.
 
     .. warning::
         The constructor is collective over ``process_group`` (it creates the
@@ -405,13 +568,25 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             (BatchNorm running statistics); non-floating ones are left untouched.
         log_metrics_every: Log :meth:`metrics` at INFO through the ``hieravg_optim.optimizer``
             logger every this many steps; ``None`` (default) never logs.
+        tensors_to_average: Called at each averaging round, after the inner step; returns the
+            tensors to average in place instead of the parameters (``buffers`` are still
+            averaged after them), the same number, shapes and dtypes on every rank. For an inner
+            optimizer with fp32 master weights: the masters, which the next step reads, e.g.
+            ``lambda: [inner.state[p]["master_param"] for p in params]``. ``None`` (default):
+            the parameters of ``param_groups``.
 
     Raises:
-        ValueError: for an invalid setting, naming it, before any averaging collective.
-        TypeError: if ``optimizer`` has no ``param_groups`` or ``step``, or is already wrapped.
+        ValueError: for an invalid setting, naming it, before any averaging collective; at the
+            first averaging round, on every rank, for an fp32 master copy of a float16 / bfloat16
+            parameter in the optimizer state without ``tensors_to_average``.
+        TypeError: if ``optimizer`` has no ``param_groups`` or ``step``, or is already wrapped; if
+            ``tensors_to_average`` is not callable; for a DTensor parameter split over ranks of this
+            rank's averaging subgroup.
         RuntimeError: if the ranks were given different settings, or another rank's settings were
             invalid (that rank raises the ValueError or TypeError; the others, in the constructor's
-            one agreement collective, a RuntimeError naming it, instead of waiting for it).
+            one agreement collective, a RuntimeError naming it, instead of waiting for it); at an
+            averaging round, on every rank of the subgroup, if ``param_groups`` holds tensors this
+            wrapper was not given.
 
     Example::
 
@@ -437,6 +612,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         bucket_cap_mb: float = 25.0,
         buffers: Iterable[torch.Tensor] | None = None,
         log_metrics_every: int | None = None,
+        tensors_to_average: Callable[[], Iterable[torch.Tensor]] | None = None,
     ) -> None:
         try:
             if isinstance(optimizer, HierarchicalAveragingOptimizer):
@@ -455,12 +631,25 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             if isinstance(buffers, torch.Tensor):
                 raise TypeError("buffers must be an iterable of tensors, e.g. model.buffers(), got a single Tensor.")
             _check_log_metrics_every(log_metrics_every)
+            if tensors_to_average is not None and not callable(tensors_to_average):
+                raise TypeError(
+                    f"tensors_to_average must be a function returning the tensors to average, got "
+                    f"{type(tensors_to_average).__name__}: pass e.g. lambda: [...], so that tensors the inner "
+                    "optimizer creates at its first step (fp32 master weights) are looked up at each round."
+                )
+            params = _unique_params(optimizer.param_groups)
+            if dist.is_available() and dist.is_initialized():
+                _check_dtensor_layout(params, _own_subgroups(config, process_group))
         except (TypeError, ValueError) as exc:
             # Raised here; the other ranks of process_group raise a RuntimeError naming this rank
             # (in the agreement they are about to enter) instead of waiting for it.
             _raise_on_every_rank(exc, process_group, "the averaging config")
         self.optimizer = optimizer
         self.buffers = [b for b in (() if buffers is None else buffers) if b.is_floating_point()]
+        self._tensors_fn = tensors_to_average
+        # The parameters this wrapper averages, by identity (the references keep the ids unique).
+        self._given: dict[int, torch.Tensor] = {id(p): p for _, _, p in params}
+        self._masters_checked = tensors_to_average is not None
         # torch.optim.Optimizer's own bookkeeping, without its __init__ (which would assign
         # param_groups, state and defaults, i.e. the inner optimizer's, through the properties below):
         # register_step_pre_hook() and the other hook registrations of the base class work.
@@ -519,9 +708,12 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     def tensors_to_average(self) -> list[torch.Tensor]:
         """This rank's tensors to average, in order: the parameters of ``param_groups``, then the buffers.
 
-        The list is the same on every rank whose model and parameter groups are built
-        the same way; it never depends on ``.grad``.
+        With the constructor's ``tensors_to_average``, the tensors it returns instead of the
+        parameters. The list is the same on every rank whose model and parameter groups are
+        built the same way; it never depends on ``.grad``.
         """
+        if self._tensors_fn is not None:
+            return [local_tensor(t) for t in self._tensors_fn()] + [local_tensor(b) for b in self.buffers]
         seen: set[int] = set()
         out = []
         for group in self.optimizer.param_groups:
@@ -562,15 +754,71 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     def _step(self, closure: Callable[[], float] | None = None):
         self.averager.verify_step_if_loaded()
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        self.averager.step_and_average(self.tensors_to_average)
+        self.averager.step_and_average(self.tensors_to_average, check=self._round_error)
         return loss
+
+    def _round_error(self) -> BaseException | None:
+        """Local checks of an averaging round, raised on every rank of the subgroup by the round's agreement.
+
+        Each round: one dict lookup per parameter (``param_groups`` holds the parameters this wrapper
+        was given). The first round also looks for fp32 master copies in the optimizer state.
+        """
+        if self._tensors_fn is not None:
+            return None
+        given = self._given
+        for g, group in enumerate(self.optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if id(p) not in given:
+                    flat = (
+                        " A 1-D tensor there is the flat fp32 partition of a DeepSpeed ZeRO / BF16 optimizer "
+                        "that took this wrapper as its client optimizer: it holds a different part of the model "
+                        "on each rank. Pass the inner optimizer to hieravg_optim.deepspeed.initialize with a "
+                        '"hierarchical_averaging" section instead; the section does the averaging.'
+                        if p.dim() == 1
+                        else ""
+                    )
+                    return RuntimeError(
+                        f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)}, dtype {p.dtype}) is not one of "
+                        f"the {len(given)} parameters this {type(self).__name__} was constructed over or given "
+                        f"through its add_param_group: something rebound the inner optimizer's param_groups "
+                        f"behind the wrapper, so averaging them may mix different tensors across ranks.{flat} "
+                        "Otherwise add parameter groups through the wrapper's add_param_group, never to the "
+                        "inner optimizer or by assigning param_groups."
+                    )
+        if not self._masters_checked:
+            self._masters_checked = True
+            found = _master_copy(self.optimizer)
+            if found is not None:
+                g, i, p, key = found
+                return ValueError(
+                    f"The inner optimizer {type(self.optimizer).__name__} keeps an fp32 copy of parameter "
+                    f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)}, dtype {p.dtype}) in its state "
+                    f"under {key!r}, equal to the parameter after the step: a master weight, from which its next "
+                    "step writes the parameter. Averaging the parameter would be undone by that step. Pass "
+                    "tensors_to_average=lambda: [...] returning the master copies (e.g. "
+                    f"[inner.state[p][{key!r}] for p in params]) to {type(self).__name__}."
+                )
+        return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the inner optimizer. Every rank must add the same group (shapes, dtypes)."""
+        """Add a group to the inner optimizer. Every rank must add the same group (shapes, dtypes).
+
+        Raises:
+            TypeError: for a DTensor parameter split over ranks of this rank's averaging subgroup
+                (the group is then not added); on every rank, as the layout is the same on all.
+        """
+        before = len(self.optimizer.param_groups)
         self.optimizer.add_param_group(param_group)
+        added = [(g, i, p) for g, i, p in _unique_params(self.optimizer.param_groups) if g >= before]
+        try:
+            _check_dtensor_layout(added, [(lg.level, lg.ranks) for lg in self.averager.level_groups])
+        except TypeError:
+            del self.optimizer.param_groups[before:]
+            raise
+        self._given.update((id(p), p) for _, _, p in added)
 
     def metrics(self) -> dict[int, dict[str, Any]]:
         """Per level, keyed by period: rounds, bytes and seconds; see :class:`LevelMetrics`."""
