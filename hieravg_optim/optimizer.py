@@ -252,7 +252,8 @@ def _master_copy(optimizer: torch.optim.Optimizer) -> tuple[int, int, torch.Tens
     A master copy: a float32 state tensor of the parameter's shape whose values, rounded to the parameter's
     dtype, equal the parameter right after a step (apex's and Transformer Engine's ``FusedAdam`` with
     ``master_weights=True``). Adam's moments never equal the weights, so they do not match; an all-zero
-    parameter is skipped (its moments may be zero too). Costs one rounded copy of each such tensor.
+    parameter is skipped (its moments may be zero too), and so is a one-element parameter (a scalar weight
+    of 1.0 would match Adam's ``"step"`` after one step). Costs one rounded copy of each such tensor.
 
     Returns:
         ``(group index, index in group, parameter, state key)``, or ``None``.
@@ -265,7 +266,7 @@ def _master_copy(optimizer: torch.optim.Optimizer) -> tuple[int, int, torch.Tens
         if not entries:
             continue
         local = local_tensor(p)
-        if local.numel() == 0 or not bool(local.any()):
+        if p.numel() < 2 or local.numel() == 0 or not bool(local.any()):
             continue
         for key, value in entries.items():
             if not torch.is_tensor(value) or value.dtype != torch.float32 or value.shape != p.shape:
@@ -796,7 +797,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
                     f"under {key!r}, equal to the parameter after the step: a master weight, from which its next "
                     "step writes the parameter. Averaging the parameter would be undone by that step. Pass "
                     "tensors_to_average=lambda: [...] returning the master copies (e.g. "
-                    f"[inner.state[p][{key!r}] for p in params]) to {type(self).__name__}."
+                    f"[inner.state[p][{key!r}] for p in params]) to {type(self).__name__}. (If that state "
+                    "tensor is not a master weight, pass tensors_to_average returning the parameters.)"
                 )
         return None
 

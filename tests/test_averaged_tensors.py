@@ -328,6 +328,13 @@ def _master_weights(rank: int, world_size: int) -> dict:
         step(wrapper, p)
         return p.tolist()
 
+    def torch_adamw_scalar(rank):  # a bf16 scalar at 1.0 equals AdamW's float32 "step" after one step
+        p, scale = param(), nn.Parameter(torch.tensor(1.0, dtype=torch.bfloat16))
+        wrapper = HierarchicalAveragingOptimizer(torch.optim.AdamW([p, scale], lr=0.0), {2: 2})
+        scale.grad = torch.ones_like(scale)
+        step(wrapper, p)
+        return p.tolist(), scale.item()
+
     def on_one_rank_only(rank):
         p = param()
         wrapper = HierarchicalAveragingOptimizer(MasterWeightAdam([p], lr=0.0, master_weights=rank == 0), {2: 2})
@@ -338,6 +345,7 @@ def _master_weights(rank: int, world_size: int) -> dict:
             "without_keyword": without_keyword,
             "with_keyword": with_keyword,
             "moments_only": moments_only,
+            "torch_adamw_scalar": torch_adamw_scalar,
             "on_one_rank_only": on_one_rank_only,
         },
         rank,
@@ -359,6 +367,7 @@ def test_master_weights_are_named_or_refused():
         assert master == ("torch.float32", two), master
         assert p == ("torch.bfloat16", two), p
         assert out["moments_only"] == two, out["moments_only"]
+        assert out["torch_adamw_scalar"] == (two, 1.0), out["torch_adamw_scalar"]
     assert results[0]["on_one_rank_only"][0] == "ValueError", results[0]["on_one_rank_only"]
     kind, message = results[1]["on_one_rank_only"]
     assert kind == "RuntimeError" and "Rank 0 failed" in message and "'master_param'" in message, message
