@@ -118,12 +118,13 @@ def check_agreement(
     *,
     context: dict[str, object],
     what: str,
+    error: BaseException | None = None,
 ) -> None:
     """Check that every rank of ``group`` is about to average the same tensors.
 
-    Costs one all-reduce of two int64 values. On a mismatch it gathers the
-    signatures and raises on every rank of the group, so no rank hangs in a
-    collective of a different size.
+    Costs one all-reduce of four int64 values. On a mismatch, or when a rank passes a local
+    ``error``, it gathers the signatures (or the errors) and raises on every rank of the
+    group, so no rank hangs in a collective of a different size.
 
     .. warning::
         Collective: every rank of ``group`` must call this.
@@ -134,17 +135,34 @@ def check_agreement(
         group_ranks: Global ranks of ``group``, in group-rank order.
         context: Anything else the ranks must agree on, by name (e.g. ``{"step count": 5}``).
         what: Names the averaging round in the error message.
+        error: A local check of this rank that failed (e.g. the tensors are not the ones the next
+            step reads); raised here, and as a ``RuntimeError`` naming this rank on the others.
 
     Raises:
-        RuntimeError: naming two ranks that disagree and their first difference.
+        RuntimeError: naming two ranks that disagree and their first difference, or a rank whose
+            local check failed.
+        Exception: ``error``, on the ranks that passed one.
     """
     local = [context, tensor_signature(tensors)]
     mine = digest(local)
     # The same rule on every rank, whatever its tensors: a rank with none must not pick another device.
     device = _collective_device(group)
-    probe = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    failed = 0 if error is None else 1
+    probe = torch.tensor([mine, -mine, failed, -failed], dtype=torch.int64, device=device)
     hand_over(probe)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    if int(probe[2]):
+        if int(probe[3]) == -1 and error is not None:
+            raise error  # every rank failed: each raises its own error, no further collective
+        messages: list = [None] * len(group_ranks)
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
+        if error is not None:
+            raise error
+        index = next(i for i, m in enumerate(messages) if m is not None)
+        raise RuntimeError(
+            f"Rank {group_ranks[index]} failed while checking {what}: {messages[index]} This rank "
+            f"({dist.get_rank()}) raises too, so that no rank waits in a collective the failed rank never enters."
+        )
     if int(probe[0]) == -int(probe[1]):
         return
     gathered: list = [None] * len(group_ranks)

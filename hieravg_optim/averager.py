@@ -163,13 +163,21 @@ class HierarchicalAverager:
         """Index of the level that averages at the current count, or ``None``."""
         return level_at(self.step, self.config.levels, self.config.warmup_steps)
 
-    def step_and_average(self, tensors: Callable[[], Sequence[torch.Tensor]]) -> int | None:
+    def step_and_average(
+        self,
+        tensors: Callable[[], Sequence[torch.Tensor]],
+        *,
+        check: Callable[[], BaseException | None] | None = None,
+    ) -> int | None:
         """Average ``tensors()`` if the schedule says so at the current count, then advance the count.
 
         Call it once per optimizer step, after the inner optimizer has stepped.
 
         Args:
             tensors: Called only when averaging is due; returns the tensors to average in place.
+            check: Called only when averaging is due, before ``tensors()``; returns the error of a
+                local check that failed (or ``None``), raised on every rank of the subgroup by
+                :meth:`average` before any averaging collective.
 
         Returns:
             The index of the level that averaged, or ``None``.
@@ -177,13 +185,16 @@ class HierarchicalAverager:
         self.verify_step_if_loaded()
         index = self.due_level()
         if index is not None:
-            self.average(index, tensors())
+            error = None if check is None else check()
+            self.average(index, tensors(), error=error)
         self.step += 1
         if self.log_metrics_every and self.step % self.log_metrics_every == 0:
             logger.info("hierarchical averaging at step %d: %s", self.step, self.metrics())
         return index
 
-    def average(self, level_index: int, tensors: Sequence[torch.Tensor]) -> None:
+    def average(
+        self, level_index: int, tensors: Sequence[torch.Tensor], *, error: BaseException | None = None
+    ) -> None:
         """Average ``tensors`` in place at level ``level_index`` now, whatever the count.
 
         ``level_index=-1`` averages at the top level: with ``ranks_per_replica=1``, over
@@ -192,13 +203,22 @@ class HierarchicalAverager:
         .. warning::
             Collective over this rank's subgroup at that level.
 
+        Args:
+            level_index: Index of the level in :attr:`levels`; -1 for the top level.
+            tensors: The tensors to average in place.
+            error: A local check of this rank that failed: raised here instead of averaging, and as
+                a ``RuntimeError`` on the other ranks of the subgroup, in the agreement collective.
+
         Raises:
-            RuntimeError: if the ranks of the subgroup disagree on the tensors (see
-                :func:`hieravg_optim.agreement.check_agreement`).
+            RuntimeError: if the ranks of the subgroup disagree on the tensors, or another rank passed
+                an ``error`` (see :func:`hieravg_optim.agreement.check_agreement`).
+            Exception: ``error``, if given.
         """
         lg = self.level_groups[level_index]
         metrics = self._metrics[level_index]
         if lg.group is None:
+            if error is not None:
+                raise error
             metrics.rounds += 1
             return
         start = time.perf_counter()
@@ -209,6 +229,7 @@ class HierarchicalAverager:
             context={"step count": self.step, "bucket_cap_mb": self.config.bucket_cap_mb},
             what=f"the parameters to average at step {self.step} (period {lg.level.period}, group size "
             f"{lg.level.group_size})",
+            error=error,
         )
         with torch.no_grad():
             payload = average_tensors_(

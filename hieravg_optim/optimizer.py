@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .agreement import raise_on_every_rank
 from .averager import HierarchicalAverager, LevelMetrics, check_log_metrics_every, local_tensor
+from .checks import check_dtensor_layout, master_copy_error, own_subgroups, rebound_param_error, unique_params
 from .config import AveragingConfig, warn_at_caller
 from .schedule import AveragingLevel
 
@@ -48,7 +49,22 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     Which tensors are averaged: every parameter in the inner optimizer's
     ``param_groups`` (each once, in order; a DTensor by its local shard), then the
     floating-point tensors of ``buffers``. Optimizer state (momentum, Adam moments)
-    is not averaged, as in torch.
+    is not averaged, as in torch. The averaged tensors must be the same tensor on every
+    rank of an averaging group, and the ones the next step reads (see :mod:`hieravg_optim.checks`):
+
+    * the parameters are those of ``param_groups`` at construction, plus those added
+      through this wrapper's :meth:`add_param_group`. If ``param_groups`` later holds
+      other tensors (e.g. DeepSpeed took this wrapper as its client optimizer and put
+      its flat ZeRO partitions there), the next averaging round raises instead.
+      Rebinding ``param_groups`` behind the wrapper is not supported;
+      ``load_state_dict`` keeps the parameters and is fine;
+    * a DTensor split (``Shard``, ``Partial``) over ranks of this rank's averaging
+      subgroup is a ``TypeError`` at construction: use :mod:`hieravg_optim.fsdp`;
+    * an inner optimizer that keeps fp32 master copies of low-precision parameters and
+      writes the parameters from them at each step (apex / Transformer Engine
+      ``FusedAdam(master_weights=True)``) must be given ``tensors_to_average`` naming the
+      masters; the first averaging round raises a ``ValueError`` where it finds such a
+      copy in the optimizer state without it.
 
     .. warning::
         The constructor is collective over ``process_group`` (it creates the
@@ -70,13 +86,25 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             (BatchNorm running statistics); non-floating ones are left untouched.
         log_metrics_every: Log :meth:`metrics` at INFO through the ``hieravg_optim.optimizer``
             logger every this many steps; ``None`` (default) never logs.
+        tensors_to_average: Called at each averaging round, after the inner step; returns the
+            tensors to average in place instead of the parameters (``buffers`` are still
+            averaged after them), the same number, shapes and dtypes on every rank. For an inner
+            optimizer with fp32 master weights: the masters, which the next step reads, e.g.
+            ``lambda: [inner.state[p]["master_param"] for p in params]``. ``None`` (default):
+            the parameters of ``param_groups``.
 
     Raises:
-        ValueError: for an invalid setting, naming it, before any averaging collective.
-        TypeError: if ``optimizer`` has no ``param_groups`` or ``step``, or is already wrapped.
+        ValueError: for an invalid setting, naming it, before any averaging collective; at the
+            first averaging round, on every rank, for an fp32 master copy of a float16 / bfloat16
+            parameter in the optimizer state without ``tensors_to_average``.
+        TypeError: if ``optimizer`` has no ``param_groups`` or ``step``, or is already wrapped; if
+            ``tensors_to_average`` is not callable; for a DTensor parameter split over ranks of this
+            rank's averaging subgroup.
         RuntimeError: if the ranks were given different settings, or another rank's settings were
             invalid (that rank raises the ValueError or TypeError; the others, in the constructor's
-            one agreement collective, a RuntimeError naming it, instead of waiting for it).
+            one agreement collective, a RuntimeError naming it, instead of waiting for it); at an
+            averaging round, on every rank of the subgroup, if ``param_groups`` holds tensors this
+            wrapper was not given.
 
     Example::
 
@@ -102,6 +130,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         bucket_cap_mb: float = 25.0,
         buffers: Iterable[torch.Tensor] | None = None,
         log_metrics_every: int | None = None,
+        tensors_to_average: Callable[[], Iterable[torch.Tensor]] | None = None,
     ) -> None:
         try:
             if isinstance(optimizer, HierarchicalAveragingOptimizer):
@@ -120,12 +149,25 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             if isinstance(buffers, torch.Tensor):
                 raise TypeError("buffers must be an iterable of tensors, e.g. model.buffers(), got a single Tensor.")
             check_log_metrics_every(log_metrics_every)
+            if tensors_to_average is not None and not callable(tensors_to_average):
+                raise TypeError(
+                    f"tensors_to_average must be a function returning the tensors to average, got "
+                    f"{type(tensors_to_average).__name__}: pass e.g. lambda: [...], so that tensors the inner "
+                    "optimizer creates at its first step (fp32 master weights) are looked up at each round."
+                )
+            params = unique_params(optimizer.param_groups)
+            if dist.is_available() and dist.is_initialized():
+                check_dtensor_layout(params, own_subgroups(config, process_group))
         except (TypeError, ValueError) as exc:
             # Raised here; the other ranks of process_group raise a RuntimeError naming this rank
             # (in the agreement they are about to enter) instead of waiting for it.
             raise_on_every_rank(exc, process_group, "the averaging config")
         self.optimizer = optimizer
         self.buffers = [b for b in (() if buffers is None else buffers) if b.is_floating_point()]
+        self._tensors_fn = tensors_to_average
+        # The parameters this wrapper averages, by identity (the references keep the ids unique).
+        self._given: dict[int, torch.Tensor] = {id(p): p for _, _, p in params}
+        self._masters_checked = tensors_to_average is not None
         # torch.optim.Optimizer's own bookkeeping, without its __init__ (which would assign
         # param_groups, state and defaults, i.e. the inner optimizer's, through the properties below):
         # register_step_pre_hook() and the other hook registrations of the base class work.
@@ -184,9 +226,12 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     def tensors_to_average(self) -> list[torch.Tensor]:
         """This rank's tensors to average, in order: the parameters of ``param_groups``, then the buffers.
 
-        The list is the same on every rank whose model and parameter groups are built
-        the same way; it never depends on ``.grad``.
+        With the constructor's ``tensors_to_average``, the tensors it returns instead of the
+        parameters. The list is the same on every rank whose model and parameter groups are
+        built the same way; it never depends on ``.grad``.
         """
+        if self._tensors_fn is not None:
+            return [local_tensor(t) for t in self._tensors_fn()] + [local_tensor(b) for b in self.buffers]
         seen: set[int] = set()
         out = []
         for group in self.optimizer.param_groups:
@@ -227,15 +272,42 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     def _step(self, closure: Callable[[], float] | None = None):
         self.averager.verify_step_if_loaded()
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        self.averager.step_and_average(self.tensors_to_average)
+        self.averager.step_and_average(self.tensors_to_average, check=self._round_error)
         return loss
+
+    def _round_error(self) -> BaseException | None:
+        """Local checks of an averaging round, raised on every rank of the subgroup by the round's agreement.
+
+        Each round: one dict lookup per parameter (``param_groups`` holds the parameters this wrapper
+        was given). The first round also looks for fp32 master copies in the optimizer state.
+        """
+        if self._tensors_fn is not None:
+            return None
+        error = rebound_param_error(self.optimizer.param_groups, self._given, type(self).__name__)
+        if error is None and not self._masters_checked:
+            self._masters_checked = True
+            error = master_copy_error(self.optimizer, type(self).__name__)
+        return error
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the inner optimizer. Every rank must add the same group (shapes, dtypes)."""
+        """Add a group to the inner optimizer. Every rank must add the same group (shapes, dtypes).
+
+        Raises:
+            TypeError: for a DTensor parameter split over ranks of this rank's averaging subgroup
+                (the group is then not added); on every rank, as the layout is the same on all.
+        """
+        before = len(self.optimizer.param_groups)
         self.optimizer.add_param_group(param_group)
+        added = [(g, i, p) for g, i, p in unique_params(self.optimizer.param_groups) if g >= before]
+        try:
+            check_dtensor_layout(added, [(lg.level, lg.ranks) for lg in self.averager.level_groups])
+        except TypeError:
+            del self.optimizer.param_groups[before:]
+            raise
+        self._given.update((id(p), p) for _, _, p in added)
 
     def metrics(self) -> dict[int, dict[str, Any]]:
         """Per level, keyed by period: rounds, bytes and seconds; see :class:`LevelMetrics`."""

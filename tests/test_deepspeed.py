@@ -185,9 +185,9 @@ def capture_masters_before_averaging(engine, state) -> dict:
     captured: dict = {}
     original_average = state.averager.average
 
-    def recording_average(level_index, tensors):
+    def recording_average(level_index, tensors, **kwargs):
         captured["before"] = _full_masters(engine)
-        return original_average(level_index, tensors)
+        return original_average(level_index, tensors, **kwargs)
 
     state.averager.average = recording_average
     return captured

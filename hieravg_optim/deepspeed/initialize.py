@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..agreement import agree_across_ranks, raise_on_every_rank
 from ..config import AveragingConfig, warn_at_caller
+from ..optimizer import HierarchicalAveragingOptimizer
 from .engine import DeepSpeedAveraging, attach
 from .mpu import ReplicaParallelUnit
 from .section import (
@@ -103,6 +104,9 @@ def initialize(
             the engine is built; or for a ``train_batch_size`` that does not count one replica.
         NotImplementedError: with an ``mpu``, a ``mesh_param``, sequence parallelism, a pipeline
             module, a model built under ``deepspeed.zero.Init``, or ZeRO-3 NVMe offload.
+        TypeError: on every rank, before DeepSpeed is called, for an ``optimizer`` that is a
+            :class:`~hieravg_optim.HierarchicalAveragingOptimizer` (pass the inner optimizer; the
+            section does the averaging).
     """
     import deepspeed
 
@@ -169,6 +173,13 @@ def _check_locally(source: Any, model: Any, optimizer: Any, mpu: Any, mesh_param
     """
     local = _Local()
     try:
+        if isinstance(optimizer, HierarchicalAveragingOptimizer):
+            raise TypeError(
+                f"optimizer is a {type(optimizer).__name__}: DeepSpeed would replace its param_groups with its own "
+                "flat partitions, a different part of the model on each rank. Pass the inner optimizer (e.g. "
+                f"optimizer={type(optimizer).__name__}(...).optimizer, or the torch.optim.AdamW you wrapped) "
+                f'and give the config a "{SECTION}" section: the section does the averaging.'
+            )
         local.loaded = load_config(source) if source is not None else None
         if local.loaded is not None and SECTION in local.loaded:
             local.settings = parse_section(local.loaded[SECTION])
