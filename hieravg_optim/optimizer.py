@@ -10,6 +10,7 @@ DeepSpeed and FSDP adapters drive. :class:`HierarchicalAveragingOptimizer` wraps
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -36,6 +37,34 @@ logger = logging.getLogger(__name__)
 
 STATE_KEY = "hierarchical_averaging"
 """Key under which :meth:`HierarchicalAveragingOptimizer.state_dict` stores the averaging state."""
+
+GROUP_STEP_KEY = "hierarchical_averaging_step"
+"""Key under which :meth:`HierarchicalAveragingOptimizer.state_dict` also writes the count into every
+parameter group: torch's optimizer-state helpers (DCP's ``get_optimizer_state_dict`` /
+``set_optimizer_state_dict``, FSDP1's ``optim_state_dict`` / ``optim_state_dict_to_load``) keep only
+``"state"`` and ``"param_groups"``, and keep a group's extra keys."""
+
+_TORCH_STATE_INIT = ("_init_optim_state", "torch.distributed.checkpoint.state_dict")
+"""torch's function that fills an empty optimizer state by calling ``step(closure=None)`` with zero
+gradients and lr 0 (``get_optimizer_state_dict``, ``set_optimizer_state_dict``, ``get_state_dict``, ...)."""
+
+
+def _called_by_torch_state_init(max_depth: int = 4) -> bool:
+    """Whether torch's state-initialising function is among the ``max_depth`` frames above the caller.
+
+    Matched by function name and module (not by code object), so a moved import still matches; the
+    LR schedulers' patched ``step`` may sit in between. If torch ever fills the state another way,
+    :meth:`HierarchicalAveragingOptimizer.initialize_state` before the first save does the same explicitly.
+    """
+    frame = sys._getframe(2)
+    name, module = _TORCH_STATE_INIT
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == name and frame.f_globals.get("__name__") == module:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -385,6 +414,14 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     floating-point tensors of ``buffers``. Optimizer state (momentum, Adam moments)
     is not averaged, as in torch.
 
+    Mixed precision: with ``torch.amp.GradScaler``, call ``scaler.step(opt)`` as for any
+    optimizer. The wrapper sets ``_step_supports_amp_scaling``, so the scaler always calls
+    :meth:`step` and hands it ``grad_scale`` and ``found_inf``: the count advances on every
+    rank (averaging stays in step across ranks), and the inner step runs only where no
+    inf/NaN gradient was found, on gradients unscaled as ``GradScaler.unscale_`` does (an
+    inner optimizer that supports amp scaling itself, e.g. a fused Adam, gets both values
+    and decides). A skipped inner step counts, as in the DeepSpeed adapter.
+
     .. warning::
         The constructor is collective over ``process_group`` (it creates the
         subgroups). :meth:`step` is collective over the averaging subgroup when
@@ -425,6 +462,9 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         ...     loss_fn(model(x), y).backward()
         ...     opt.step()
     """
+
+    _step_supports_amp_scaling = True
+    """``torch.amp.GradScaler.step`` then calls :meth:`step` on every rank, with ``grad_scale`` and ``found_inf``."""
 
     def __init__(
         self,
@@ -499,8 +539,17 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
 
     @property
     def averaging_step(self) -> int:
-        """The averaging step count (torch's ``averager.step``): steps taken so far."""
+        """The averaging step count (torch's ``averager.step``): steps taken so far.
+
+        Assigning it sets the count deliberately (e.g. after loading a plain inner-optimizer
+        state dict into :attr:`optimizer`); the next :meth:`step` checks that every rank has
+        the same count. A value that is not a non-negative integer is a ``ValueError``.
+        """
         return self.averager.step
+
+    @averaging_step.setter
+    def averaging_step(self, value: int) -> None:
+        self.averager.load_state_dict({"step": value})
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
@@ -540,9 +589,20 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         as ``torch.optim.Optimizer`` runs them; global optimizer hooks run once, for the
         inner optimizer's step.
 
+        Under ``torch.amp.GradScaler`` (which calls this method itself and sets ``grad_scale``
+        and ``found_inf`` on the wrapper, see the class docstring) the count always advances;
+        the inner step runs only if ``found_inf`` is 0 on this rank.
+
+        The call torch's ``torch.distributed.checkpoint.state_dict`` helpers make to fill an
+        empty optimizer state (``step(closure=None)`` with zero gradients and lr 0) is
+        recognised, and runs :meth:`initialize_state` instead: no count, no averaging, no hooks.
+
         .. warning::
             Collective over the averaging subgroup when averaging is due.
         """
+        if closure is None and not self.optimizer.state and _called_by_torch_state_init():
+            self._initialize_state_step()
+            return None
         args: tuple = (self,) if closure is None else (self, closure)
         kwargs: dict[str, Any] = {}
         for pre_hook in list(self._optimizer_step_pre_hooks.values()):
@@ -561,9 +621,114 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
 
     def _step(self, closure: Callable[[], float] | None = None):
         self.averager.verify_step_if_loaded()
-        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self._drop_initialized_state()
+        loss = self._inner_step(closure)
         self.averager.step_and_average(self.tensors_to_average)
         return loss
+
+    def _inner_step(self, closure: Callable[[], float] | None):
+        """The inner step, or none when a ``GradScaler`` found inf/NaN gradients on this rank."""
+        inner = self.optimizer
+        args = () if closure is None else (closure,)
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        if grad_scale is None and found_inf is None:
+            return inner.step(*args)
+        if getattr(inner, "_step_supports_amp_scaling", False):
+            # A fused optimizer unscales and skips by itself (GradScaler's protocol, one level down).
+            inner.grad_scale, inner.found_inf = grad_scale, found_inf
+            try:
+                return inner.step(*args)
+            finally:
+                del inner.grad_scale, inner.found_inf
+        if found_inf is not None and bool(found_inf.item()):
+            return None  # what GradScaler does for an optimizer without amp support: skip its step
+        if grad_scale is not None:  # None: the user already called scaler.unscale_(opt)
+            self._unscale_grads(grad_scale)
+        return inner.step(*args)
+
+    def _unscale_grads(self, grad_scale: torch.Tensor) -> None:
+        """Divide the gradients by ``grad_scale`` in place, with the arithmetic of ``GradScaler.unscale_``."""
+        inv_scale = grad_scale.double().reciprocal().float()
+        by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.is_sparse:
+                    if grad.dtype is torch.float16:
+                        p.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                by_device.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (device, _), grads in by_device.items():
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+
+    def initialize_state(self) -> None:
+        """Create the inner optimizer's state (Adam moments, momentum buffers) without a step.
+
+        Does what torch's DCP helpers do to an optimizer with no state yet (a step with zero
+        gradients and lr 0), with weight decay 0 too, then sets every ``"step"`` entry of the
+        new state back to 0; the count does not advance and nothing is averaged. The next real
+        :meth:`step` drops the state made here (unless a state dict was loaded since), so the
+        inner optimizer then behaves as a fresh one, bit for bit. Local, no collective; a no-op
+        if the inner optimizer already has state.
+
+        :meth:`step` recognises torch's own initialising call (``get_optimizer_state_dict``,
+        ``set_optimizer_state_dict``, ``get_state_dict``) and runs this instead; call it
+        explicitly before a save that initialises the state some other way.
+        """
+        inner = self.optimizer
+        if inner.state:
+            return
+        params = [p for group in inner.param_groups for p in group["params"] if p.requires_grad]
+        grads = [p.grad for p in params]
+        lrs = [group.get("lr") for group in inner.param_groups]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in inner.param_groups:
+            if "lr" in group:
+                group["lr"] = torch.tensor(0.0) if torch.is_tensor(group["lr"]) else 0.0
+        try:
+            self._initialize_state_step()
+        finally:
+            for p, grad in zip(params, grads):
+                p.grad = grad
+            for group, lr in zip(inner.param_groups, lrs):
+                if lr is not None:
+                    group["lr"] = lr
+
+    def _initialize_state_step(self) -> None:
+        """The inner step with weight decay 0 (lr and gradients already 0), then the new "step" entries reset."""
+        inner = self.optimizer
+        decays = [group.get("weight_decay") for group in inner.param_groups]
+        for group in inner.param_groups:
+            if "weight_decay" in group:
+                group["weight_decay"] = 0.0
+        try:
+            inner.step()
+        finally:
+            for group, decay in zip(inner.param_groups, decays):
+                if decay is not None:
+                    group["weight_decay"] = decay
+        for entry in inner.state.values():
+            step = entry.get("step") if isinstance(entry, dict) else None
+            if torch.is_tensor(step):
+                step.zero_()
+            elif _is_int(step) or isinstance(step, float):
+                entry["step"] = type(step)(0)
+        self._initialized_state = (inner.state, {id(p): entry for p, entry in inner.state.items()})
+
+    def _drop_initialized_state(self) -> None:
+        """Before a real step: drop the state :meth:`initialize_state` made if nothing replaced it since."""
+        made = self.__dict__.pop("_initialized_state", None)
+        if made is None:
+            return
+        container, entries = made
+        if self.optimizer.state is container:
+            for p in [p for p, entry in container.items() if entries.get(id(p)) is entry]:
+                del container[p]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -581,25 +746,43 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
 
         The averaging state is under ``"hierarchical_averaging"``; the count is also
         written as the top-level ``"step"``, as torch's ``PostLocalSGDOptimizer`` does,
-        so either wrapper can load the other's checkpoints.
+        so either wrapper can load the other's checkpoints, and into every parameter group
+        under ``"hierarchical_averaging_step"``, which torch's optimizer-state helpers
+        (DCP's ``get_optimizer_state_dict``, FSDP1's ``optim_state_dict``) keep.
         """
         for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
             pre_hook(self)
         state = self.optimizer.state_dict()
         state[STATE_KEY] = self.averager.state_dict()
         state["step"] = self.averager.step
+        state["param_groups"] = [{**group, GROUP_STEP_KEY: self.averager.step} for group in state["param_groups"]]
         for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
             result = post_hook(self, state)
             if result is not None:
                 state = result
         return state
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any], *, averaging_step: int | None = None) -> None:
         """Restore :meth:`state_dict`'s output, or a state dict of torch's ``PostLocalSGDOptimizer``.
 
-        With no step count in it: a warning, and the count starts at 0 (as torch does).
-        Every rank must then call :meth:`step`: the first one checks that all ranks
-        resumed at the same count.
+        The count is read from ``"hierarchical_averaging"``, else the top-level ``"step"``
+        (torch's format), else the ``"hierarchical_averaging_step"`` of the parameter groups (all
+        groups must agree), so it survives DCP's ``get_optimizer_state_dict`` ->
+        ``set_optimizer_state_dict`` and FSDP1's ``optim_state_dict`` -> ``optim_state_dict_to_load``,
+        which keep only ``"state"`` and ``"param_groups"``. A state dict with no count is an error,
+        never a silent restart of the schedule. Every rank must then call :meth:`step`: the first
+        one checks that all ranks resumed at the same count.
+
+        Args:
+            state_dict: The state dict.
+            averaging_step: The count to resume at, for a state dict that has none (e.g. a plain
+                inner-optimizer state dict): ``0`` restarts the schedule on purpose. If the state
+                dict has a count too, the two must be equal.
+
+        Raises:
+            ValueError: if the state dict has no count and ``averaging_step`` is ``None``, the
+                parameter groups disagree on it, it is not a non-negative integer, or it differs from
+                ``averaging_step``; or whatever the inner optimizer raises. Nothing is changed then.
         """
         for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
             result = pre_hook(self, state_dict)
@@ -608,22 +791,64 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         inner = dict(state_dict)
         ours = inner.pop(STATE_KEY, None)
         torch_step = inner.pop("step", None)
+        group_step = _pop_group_step(inner)
+        if ours is not None:
+            averaging_state, where = ours, f"'{STATE_KEY}'"
+        elif torch_step is not None:
+            averaging_state, where = {"step": torch_step}, "the top-level 'step'"
+        elif group_step is not None:
+            averaging_state, where = {"step": group_step}, f"the param_groups' '{GROUP_STEP_KEY}'"
+        elif averaging_step is not None:
+            averaging_state, where = {"step": averaging_step}, "averaging_step"
+        else:
+            raise ValueError(
+                f"The state dict has no averaging step count: no '{STATE_KEY}', no top-level 'step' (torch's "
+                f"PostLocalSGDOptimizer) and no '{GROUP_STEP_KEY}' in its param_groups; it has keys "
+                f"{sorted(map(str, state_dict))}. Load a state dict saved by this wrapper's state_dict(), or, to "
+                "start from a plain inner-optimizer state dict on purpose, pass the count to resume at: "
+                "load_state_dict(state_dict, averaging_step=N) (0 restarts the averaging schedule)."
+            )
         # The averaging state is checked first, and restored if the inner optimizer rejects its part:
         # a rejected state dict changes neither the inner optimizer nor the count.
         previous = (self.averager.step, self.averager._verify_step_pending)
-        if ours is not None:
-            self.averager.load_state_dict(ours)
-        elif torch_step is not None:
-            self.averager.load_state_dict({"step": torch_step})
+        self.averager.load_state_dict(averaging_state)
+        if averaging_step is not None and averaging_step != self.averager.step:
+            self.averager.step, self.averager._verify_step_pending = previous
+            raise ValueError(
+                f"load_state_dict(averaging_step={averaging_step!r}) differs from the count {where} of the state "
+                f"dict holds ({self.averager.step}): pass averaging_step only for a state dict without a count, "
+                "or the same value."
+            )
         try:
             self.optimizer.load_state_dict(inner)
         except BaseException:
             self.averager.step, self.averager._verify_step_pending = previous
             raise
-        if ours is None and torch_step is None:
-            _warn_at_caller(
-                "Loaded state dict does not contain a step counter for the averager. Setting step counter to 0."
-            )
-            self.averager.load_state_dict({"step": 0})
+        self.__dict__.pop("_initialized_state", None)  # a loaded state is never dropped at the next step
         for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             post_hook(self)
+
+
+def _pop_group_step(state_dict: dict[str, Any]) -> int | None:
+    """Remove the count from the param groups of ``state_dict`` (copied, not mutated) and return it, or ``None``.
+
+    Raises:
+        ValueError: if some groups carry it and others do not, or they carry different counts.
+    """
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, (list, tuple)) or not any(
+        isinstance(g, Mapping) and GROUP_STEP_KEY in g for g in groups
+    ):
+        return None
+    values = [g.get(GROUP_STEP_KEY, "missing") if isinstance(g, Mapping) else "missing" for g in groups]
+    plain = [int(v) if torch.is_tensor(v) and v.numel() == 1 and not v.is_floating_point() else v for v in values]
+    if any(v != plain[0] for v in plain):
+        raise ValueError(
+            f"The parameter groups of the state dict disagree on the averaging step count '{GROUP_STEP_KEY}': "
+            f"{plain} (one per group). Every group of a state dict saved by HierarchicalAveragingOptimizer carries "
+            "the same count; load the unmodified state dict."
+        )
+    state_dict["param_groups"] = [
+        {k: v for k, v in g.items() if k != GROUP_STEP_KEY} if isinstance(g, Mapping) else g for g in groups
+    ]
+    return plain[0]
