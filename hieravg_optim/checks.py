@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - torch 2.4
     from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 
 __all__ = [
+    "add_checked_param_group",
     "check_dtensor_layout",
     "master_copy",
     "master_copy_error",
@@ -115,6 +116,30 @@ def check_dtensor_layout(
                     f"{level.group_size}). Averaging local shards there would mix different parts of the parameter. "
                     + _FSDP_FIX
                 )
+
+
+def add_checked_param_group(
+    optimizer: torch.optim.Optimizer,
+    param_group: dict[str, Any],
+    subgroups: Sequence[tuple[AveragingLevel, Sequence[int]]],
+) -> list[torch.Tensor]:
+    """``optimizer.add_param_group(param_group)``, undone if :func:`check_dtensor_layout` refuses a new parameter.
+
+    Returns:
+        The parameters added.
+
+    Raises:
+        TypeError: from :func:`check_dtensor_layout`; the group is then not added.
+    """
+    before = len(optimizer.param_groups)
+    optimizer.add_param_group(param_group)
+    added = [(g, i, p) for g, i, p in unique_params(optimizer.param_groups) if g >= before]
+    try:
+        check_dtensor_layout(added, subgroups)
+    except TypeError:
+        del optimizer.param_groups[before:]
+        raise
+    return [p for _, _, p in added]
 
 
 def own_subgroups(

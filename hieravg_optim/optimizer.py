@@ -17,14 +17,28 @@ import torch.distributed as dist
 
 from .agreement import raise_on_every_rank
 from .averager import HierarchicalAverager, LevelMetrics, check_log_metrics_every, local_tensor
-from .checks import check_dtensor_layout, master_copy_error, own_subgroups, rebound_param_error, unique_params
-from .config import AveragingConfig, warn_at_caller
+from .checks import (
+    add_checked_param_group,
+    check_dtensor_layout,
+    master_copy_error,
+    own_subgroups,
+    rebound_param_error,
+    unique_params,
+)
+from .config import AveragingConfig
+from .inner import (
+    GROUP_STEP_KEY,
+    STATE_KEY,
+    called_by_torch_state_init,
+    drop_initialized_state,
+    initialize_state,
+    initialize_state_step,
+    inner_step,
+    split_count,
+)
 from .schedule import AveragingLevel
 
-__all__ = ["HierarchicalAverager", "HierarchicalAveragingOptimizer", "LevelMetrics", "local_tensor"]
-
-STATE_KEY = "hierarchical_averaging"
-"""Key under which :meth:`HierarchicalAveragingOptimizer.state_dict` stores the averaging state."""
+__all__ = ["GROUP_STEP_KEY", "STATE_KEY", "HierarchicalAverager", "HierarchicalAveragingOptimizer", "LevelMetrics", "local_tensor"]
 
 
 class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
@@ -65,6 +79,14 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
       ``FusedAdam(master_weights=True)``) must be given ``tensors_to_average`` naming the
       masters; the first averaging round raises a ``ValueError`` where it finds such a
       copy in the optimizer state without it.
+
+    Mixed precision: with ``torch.amp.GradScaler``, call ``scaler.step(opt)`` as for any
+    optimizer. The wrapper sets ``_step_supports_amp_scaling``, so the scaler always calls
+    :meth:`step` and hands it ``grad_scale`` and ``found_inf``: the count advances on every
+    rank (averaging stays in step across ranks), and the inner step runs only where no
+    inf/NaN gradient was found, on gradients unscaled as ``GradScaler.unscale_`` does (an
+    inner optimizer that supports amp scaling itself, e.g. a fused Adam, gets both values
+    and decides). A skipped inner step counts, as in the DeepSpeed adapter.
 
     .. warning::
         The constructor is collective over ``process_group`` (it creates the
@@ -118,6 +140,9 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         ...     loss_fn(model(x), y).backward()
         ...     opt.step()
     """
+
+    _step_supports_amp_scaling = True
+    """``torch.amp.GradScaler.step`` then calls :meth:`step` on every rank, with ``grad_scale`` and ``found_inf``."""
 
     def __init__(
         self,
@@ -206,8 +231,17 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
 
     @property
     def averaging_step(self) -> int:
-        """The averaging step count (torch's ``averager.step``): steps taken so far."""
+        """The averaging step count (torch's ``averager.step``): steps taken so far.
+
+        Assigning it sets the count deliberately (e.g. after loading a plain inner-optimizer
+        state dict into :attr:`optimizer`); the next :meth:`step` checks that every rank has
+        the same count. A value that is not a non-negative integer is a ``ValueError``.
+        """
         return self.averager.step
+
+    @averaging_step.setter
+    def averaging_step(self, value: int) -> None:
+        self.averager.load_state_dict({"step": value})
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
@@ -232,15 +266,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         """
         if self._tensors_fn is not None:
             return [local_tensor(t) for t in self._tensors_fn()] + [local_tensor(b) for b in self.buffers]
-        seen: set[int] = set()
-        out = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(local_tensor(p))
-        out.extend(local_tensor(b) for b in self.buffers)
-        return out
+        params = [local_tensor(p) for _, _, p in unique_params(self.optimizer.param_groups)]
+        return params + [local_tensor(b) for b in self.buffers]
 
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         """Run the inner step, then average if the schedule says so; return the closure's loss.
@@ -250,9 +277,20 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         as ``torch.optim.Optimizer`` runs them; global optimizer hooks run once, for the
         inner optimizer's step.
 
+        Under ``torch.amp.GradScaler`` (which calls this method itself and sets ``grad_scale``
+        and ``found_inf`` on the wrapper, see the class docstring) the count always advances;
+        the inner step runs only if ``found_inf`` is 0 on this rank.
+
+        The call torch's ``torch.distributed.checkpoint.state_dict`` helpers make to fill an
+        empty optimizer state (``step(closure=None)`` with zero gradients and lr 0) is
+        recognised, and runs :meth:`initialize_state` instead: no count, no averaging, no hooks.
+
         .. warning::
             Collective over the averaging subgroup when averaging is due.
         """
+        if closure is None and not self.optimizer.state and called_by_torch_state_init():
+            self._initialized_state = initialize_state_step(self.optimizer)
+            return None
         args: tuple = (self,) if closure is None else (self, closure)
         kwargs: dict[str, Any] = {}
         for pre_hook in list(self._optimizer_step_pre_hooks.values()):
@@ -271,7 +309,12 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
 
     def _step(self, closure: Callable[[], float] | None = None):
         self.averager.verify_step_if_loaded()
-        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        made = self.__dict__.pop("_initialized_state", None)
+        if made is not None:
+            drop_initialized_state(self.optimizer, made)
+        loss = inner_step(
+            self.optimizer, closure, getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        )
         self.averager.step_and_average(self.tensors_to_average, check=self._round_error)
         return loss
 
@@ -289,6 +332,24 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             error = master_copy_error(self.optimizer, type(self).__name__)
         return error
 
+    def initialize_state(self) -> None:
+        """Create the inner optimizer's state (Adam moments, momentum buffers) without a step.
+
+        Does what torch's DCP helpers do to an optimizer with no state yet (a step with zero
+        gradients and lr 0), with weight decay 0 too, then sets every ``"step"`` entry of the
+        new state back to 0; the count does not advance and nothing is averaged. The next real
+        :meth:`step` drops the state made here (unless a state dict was loaded since), so the
+        inner optimizer then behaves as a fresh one, bit for bit. Local, no collective; a no-op
+        if the inner optimizer already has state.
+
+        :meth:`step` recognises torch's own initialising call (``get_optimizer_state_dict``,
+        ``set_optimizer_state_dict``, ``get_state_dict``) and runs this instead; call it
+        explicitly before a save that initialises the state some other way.
+        """
+        made = initialize_state(self.optimizer)
+        if made is not None:
+            self._initialized_state = made
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -299,15 +360,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             TypeError: for a DTensor parameter split over ranks of this rank's averaging subgroup
                 (the group is then not added); on every rank, as the layout is the same on all.
         """
-        before = len(self.optimizer.param_groups)
-        self.optimizer.add_param_group(param_group)
-        added = [(g, i, p) for g, i, p in unique_params(self.optimizer.param_groups) if g >= before]
-        try:
-            check_dtensor_layout(added, [(lg.level, lg.ranks) for lg in self.averager.level_groups])
-        except TypeError:
-            del self.optimizer.param_groups[before:]
-            raise
-        self._given.update((id(p), p) for _, _, p in added)
+        subgroups = [(lg.level, lg.ranks) for lg in self.averager.level_groups]
+        self._given.update((id(p), p) for p in add_checked_param_group(self.optimizer, param_group, subgroups))
 
     def metrics(self) -> dict[int, dict[str, Any]]:
         """Per level, keyed by period: rounds, bytes and seconds; see :class:`LevelMetrics`."""
@@ -318,49 +372,66 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
 
         The averaging state is under ``"hierarchical_averaging"``; the count is also
         written as the top-level ``"step"``, as torch's ``PostLocalSGDOptimizer`` does,
-        so either wrapper can load the other's checkpoints.
+        so either wrapper can load the other's checkpoints, and into every parameter group
+        under ``"hierarchical_averaging_step"``, which torch's optimizer-state helpers
+        (DCP's ``get_optimizer_state_dict``, FSDP1's ``optim_state_dict``) keep.
         """
         for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
             pre_hook(self)
         state = self.optimizer.state_dict()
         state[STATE_KEY] = self.averager.state_dict()
         state["step"] = self.averager.step
+        state["param_groups"] = [{**group, GROUP_STEP_KEY: self.averager.step} for group in state["param_groups"]]
         for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
             result = post_hook(self, state)
             if result is not None:
                 state = result
         return state
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any], *, averaging_step: int | None = None) -> None:
         """Restore :meth:`state_dict`'s output, or a state dict of torch's ``PostLocalSGDOptimizer``.
 
-        With no step count in it: a warning, and the count starts at 0 (as torch does).
-        Every rank must then call :meth:`step`: the first one checks that all ranks
-        resumed at the same count.
+        The count is read from ``"hierarchical_averaging"``, else the top-level ``"step"``
+        (torch's format), else the ``"hierarchical_averaging_step"`` of the parameter groups (all
+        groups must agree), so it survives DCP's ``get_optimizer_state_dict`` ->
+        ``set_optimizer_state_dict`` and FSDP1's ``optim_state_dict`` -> ``optim_state_dict_to_load``,
+        which keep only ``"state"`` and ``"param_groups"``. A state dict with no count is an error,
+        never a silent restart of the schedule. Every rank must then call :meth:`step`: the first
+        one checks that all ranks resumed at the same count.
+
+        Args:
+            state_dict: The state dict.
+            averaging_step: The count to resume at, for a state dict that has none (e.g. a plain
+                inner-optimizer state dict): ``0`` restarts the schedule on purpose. If the state
+                dict has a count too, the two must be equal.
+
+        Raises:
+            ValueError: if the state dict has no count and ``averaging_step`` is ``None``, the
+                parameter groups disagree on it, it is not a non-negative integer, or it differs from
+                ``averaging_step``; or whatever the inner optimizer raises. Nothing is changed then.
         """
         for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        inner = dict(state_dict)
-        ours = inner.pop(STATE_KEY, None)
-        torch_step = inner.pop("step", None)
+        inner, averaging_state, where = split_count(state_dict, averaging_step)
         # The averaging state is checked first, and restored if the inner optimizer rejects its part:
         # a rejected state dict changes neither the inner optimizer nor the count.
         previous = (self.averager.step, self.averager._verify_step_pending)
-        if ours is not None:
-            self.averager.load_state_dict(ours)
-        elif torch_step is not None:
-            self.averager.load_state_dict({"step": torch_step})
+        self.averager.load_state_dict(averaging_state)
+        if averaging_step is not None and averaging_step != self.averager.step:
+            self.averager.step, self.averager._verify_step_pending = previous
+            raise ValueError(
+                f"load_state_dict(averaging_step={averaging_step!r}) differs from the count {where} of the state "
+                f"dict holds ({self.averager.step}): pass averaging_step only for a state dict without a count, "
+                "or the same value."
+            )
         try:
             self.optimizer.load_state_dict(inner)
         except BaseException:
             self.averager.step, self.averager._verify_step_pending = previous
             raise
-        if ours is None and torch_step is None:
-            warn_at_caller(
-                "Loaded state dict does not contain a step counter for the averager. Setting step counter to 0."
-            )
-            self.averager.load_state_dict({"step": 0})
+        self.__dict__.pop("_initialized_state", None)  # a loaded state is never dropped at the next step
         for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             post_hook(self)
+

@@ -6,7 +6,8 @@ after ``wait()`` returns. When that drop is the last reference to a tensor made 
 happens during finalization, it cannot take the GIL and the process aborts (SIGABRT) after the
 run finished (see hieravg_optim/_handover.py). tests/exit_after_collective.py starves the worker
 threads so that they run only when the main thread blocks; the control case shows that torch
-alone then aborts. Without the protection the other cases abort often but not every time (2 to
+alone then usually aborts (a run where it does not is skipped, not failed: the race is the
+scheduler's to decide). Without the protection the other cases abort often but not every time (2 to
 3 of 4-6 cases per run, measured): whether the main thread blocks before finalization, letting the
 worker drop the tensors early, varies. Each case is one torchrun launch (about 5 s; DeepSpeed's
 about 15 s).
@@ -27,12 +28,24 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_control_torch_alone_aborts_at_exit():
-    """Without hieravg_optim, the starved script aborts: the test below can fail."""
+    """Without hieravg_optim, the starved script often aborts: evidence that the tests below can fail.
+
+    Whether torch's exit race happens depends on the scheduler (a loaded machine can let the worker
+    thread drop the tensors before finalization), so a run without the abort is a skip with that
+    reason, never a failure; the protection's own tests below are deterministic either way. The
+    script must still have run to its end, so a broken launch or starvation setup fails here.
+    """
     result = torchrun(2, SCRIPT, "plain_torch_all_reduce", timeout=120)
-    assert result.returncode != 0, "torch no longer aborts here: hieravg_optim/_handover.py may be unnecessary"
+    done = re.findall(r"rank (\d): plain_torch_all_reduce done", result.stdout)
+    assert sorted(done) == ["0", "1"], (
+        f"the control script did not run to its end (exit code {result.returncode}):\n--- stdout ---\n"
+        f"{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-3000:]}"
+    )
+    if result.returncode == 0:
+        pytest.skip("torch's exit race did not occur in this run (both ranks exited cleanly); the control shows "
+                    "nothing this time")
     assert "terminate called without an active exception" in result.stderr, result.stderr[-3000:]
     assert f"exitcode  : -{int(signal.SIGABRT)}" in result.stderr, result.stderr[-3000:]
-    assert re.search(r"rank \d: plain_torch_all_reduce done", result.stdout), result.stdout  # after the run
 
 
 CASES = {  # case: ranks

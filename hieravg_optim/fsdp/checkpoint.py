@@ -44,6 +44,9 @@ def _checkpoint_state(module: nn.Module, optimizer: FSDPHierarchicalAveragingOpt
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     state: dict[str, Any] = {"hierarchical_averaging": optimizer.averager.state_dict()}
+    # Before the first step the inner optimizer has no state; torch's helpers would fill it with a zero-lr step
+    # that leaves Adam's "step" at 1. This makes the same state without a step (and the next real step drops it).
+    optimizer.initialize_state()
     if _optimizer_holds_flat_params(optimizer):
         # FSDP1 with use_orig_params=False. torch 2.13's FSDP.optim_state_dict broadcasts from global rank 0
         # (_optim_utils._map_param_key_to_optim_keys), which is not in the shard group of replicas 1, 2, ...,
@@ -57,10 +60,7 @@ def _checkpoint_state(module: nn.Module, optimizer: FSDPHierarchicalAveragingOpt
 
 
 def _flat_optimizer_state(optimizer: FSDPHierarchicalAveragingOptimizer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-
     inner = optimizer.optimizer
-    _init_optim_state(inner)  # as get_state_dict does: a zero-lr step creates the state of a fresh optimizer
     raw = inner.state_dict()
     shard_mesh = optimizer.mesh[SHARD_DIM]
     flat_state: dict[str, dict[str, Any]] = {}
