@@ -20,6 +20,7 @@ subgroup through :func:`hieravg_optim.agreement.check_agreement`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -152,7 +153,9 @@ def own_subgroups(
     pg = process_group if process_group is not None else dist.group.WORLD
     try:
         global_ranks = dist.get_process_group_ranks(pg)
-        config.check_world_size(len(global_ranks))
+        with warnings.catch_warnings():  # the averager checks again, and warns once, at the caller
+            warnings.simplefilter("ignore")
+            config.check_world_size(len(global_ranks))
     except (ValueError, RuntimeError):
         return []
     me = dist.get_rank()
