@@ -8,7 +8,8 @@ engine's optimizer step and checkpoints. Written against DeepSpeed 0.19.8.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextvars
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -16,11 +17,12 @@ import torch.distributed as dist
 
 from .._handover import hand_over
 from ..averager import HierarchicalAverager
+from ..averaging import average_tensors_
 from ..config import AveragingConfig
 from .checkpoint import wrap_checkpoints
 from .mpu import ReplicaParallelUnit
 
-__all__ = ["DeepSpeedAveraging", "attach", "get_averaging"]
+__all__ = ["DeepSpeedAveraging", "attach", "get_averaging", "keep_trace_checks_in_replica"]
 
 _ATTRIBUTE = "hierarchical_averaging"
 """The engine attribute holding its :class:`DeepSpeedAveraging`."""
@@ -81,6 +83,16 @@ class DeepSpeedAveraging:
 
     Optimizer state (Adam moments) is not averaged, as in torch's ``PostLocalSGDOptimizer``.
 
+    Buffers: DeepSpeed never synchronises module buffers (not at initialisation, not in
+    training), so BatchNorm running statistics differ between all ranks. With
+    ``average_buffers`` (the default of :func:`~hieravg_optim.deepspeed.initialize`), every
+    floating-point buffer of ``engine.module`` is broadcast from rank 0 at construction (as
+    DDP does), and whenever a level averages, it is replaced by its mean over that level's
+    whole block of ``group_size`` ranks: first with the ranks at the same position in the
+    other replicas (with the master weights, in the same collective), then within the
+    replica (one more all-reduce over the replica, of the buffers only, not counted in
+    :meth:`metrics`). Buffers are never partitioned by ZeRO, so this holds for stages 0-3.
+
     Args:
         engine: The DeepSpeed engine, built with ``mpu``.
         config: The averaging settings; ``ranks_per_replica`` is ``mpu``'s.
@@ -88,10 +100,22 @@ class DeepSpeedAveraging:
         agreed: ``True`` when ``config`` was already checked against the world size and agreed on
             across ranks, as :func:`~hieravg_optim.deepspeed.initialize` does: the averager then skips
             its own check and agreement collective.
+        average_buffers: Average the floating-point buffers of ``engine.module`` as described above;
+            ``False`` leaves them as DeepSpeed does (local to each rank).
+
+    .. warning::
+        With ``average_buffers``, the constructor is collective over the default process group (the
+        broadcast of the buffers): every rank must construct it with the same value.
     """
 
     def __init__(
-        self, engine: Any, config: AveragingConfig, mpu: ReplicaParallelUnit, *, agreed: bool = False
+        self,
+        engine: Any,
+        config: AveragingConfig,
+        mpu: ReplicaParallelUnit,
+        *,
+        agreed: bool = False,
+        average_buffers: bool = False,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -105,6 +129,14 @@ class DeepSpeedAveraging:
                 'torch.distributed with a CPU-capable backend such as "cpu:gloo,cuda:nccl".'
             )
         self.averager = HierarchicalAverager(config, agreed=agreed)
+        self.buffers: list[torch.Tensor] = (
+            [b.detach() for b in engine.module.buffers() if b.is_floating_point()] if average_buffers else []
+        )
+        """The module's floating-point buffers this averaging averages (empty without ``average_buffers``)."""
+        with torch.no_grad():
+            for b in self.buffers:
+                hand_over(b)
+                dist.broadcast(b, src=0)
 
     @property
     def step(self) -> int:
@@ -187,23 +219,48 @@ class DeepSpeedAveraging:
         Returns:
             The index of the level that averaged, or ``None``.
         """
-        index = self.averager.step_and_average(self.master_tensors)
-        if index is not None and self.averager.level_groups[index].group is not None:
-            self.push_to_module()
+        index = self.averager.step_and_average(self._tensors_to_average)
+        if index is not None:
+            if self.averager.level_groups[index].group is not None:
+                self.push_to_module()
+            self._average_buffers_in_replica()
         return index
+
+    def _tensors_to_average(self) -> list[torch.Tensor]:
+        """The master weights, then the buffers (if averaged): one collective at each level."""
+        return self.master_tensors() + self.buffers
+
+    @torch.no_grad()
+    def _average_buffers_in_replica(self) -> None:
+        """Average the buffers over the replica; after a level's round, their mean over its whole block.
+
+        .. warning::
+            Collective over the replica when there are buffers to average.
+        """
+        size = self.mpu.get_data_parallel_world_size()
+        if self.buffers and size > 1:
+            average_tensors_(
+                self.buffers,
+                self.mpu.get_data_parallel_group(),
+                size,
+                bucket_cap_bytes=self.config.bucket_cap_bytes,
+                pool=self.averager.pool,
+            )
 
     def average_now(self, level_index: int = -1) -> None:
         """Average the master weights at one level now, whatever the count, and push them into the module.
 
-        ``-1`` is the top level: every replica ends with the same weights (e.g. before evaluation).
+        ``-1`` is the top level: every replica ends with the same weights (e.g. before evaluation),
+        and, with ``average_buffers``, every rank with the same buffers.
         The step count does not change.
 
         .. warning::
             Collective over this rank's subgroup at that level and over its replica.
         """
-        self.averager.average(level_index, self.master_tensors())
+        self.averager.average(level_index, self._tensors_to_average())
         if self.averager.level_groups[level_index].group is not None:
             self.push_to_module()
+        self._average_buffers_in_replica()
 
     @torch.no_grad()
     def broadcast_from_first_replica(self) -> None:
@@ -261,3 +318,66 @@ def attach(engine: Any, state: DeepSpeedAveraging) -> None:
     wrap_checkpoints(engine, state)
     engine._take_model_step = _take_model_step
     engine.__dict__[_ATTRIBUTE] = state
+
+
+_TRACE_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("hieravg_zero3_trace_group", default=None)
+"""The replica group while a replica engine's ZeRO-3 coordinator checks its trace; ``None`` otherwise."""
+
+
+def _assert_ints_same_in_replica(original: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
+    """DeepSpeed's ``assert_ints_same_as_other_ranks``, over the replica group while one is set."""
+
+    def assert_ints_same(ints: list[int]) -> None:
+        group = _TRACE_GROUP.get()
+        if group is None:
+            return original(ints)
+        lists: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(lists, list(ints), group=group)
+        if any(other != lists[0] for other in lists):
+            ranks = dist.get_process_group_ranks(group)
+            raise RuntimeError(
+                "ZeRO-3: the ranks of one replica recorded different module or parameter orders in their "
+                f"forward passes (ranks {ranks}: {lists}); the ranks of a replica must run the same modules "
+                "in the same order."
+            )
+        return None
+
+    assert_ints_same._hieravg_original = original  # type: ignore[attr-defined]
+    return assert_ints_same
+
+
+def keep_trace_checks_in_replica(engine: Any, group: dist.ProcessGroup) -> None:
+    """Make the ZeRO-3 engine's trace checks compare the ranks of ``group`` (its replica), not the world.
+
+    DeepSpeed's ZeRO-3 parameter coordinator records the order in which the forward pass uses the
+    submodules and, in ``reset_step`` (at the start of every forward until the trace is complete),
+    checks that every rank recorded the same order with ``assert_ints_same_as_other_ranks``, a
+    broadcast from global rank 0 over the whole world. Parameters are partitioned and gathered
+    within the replica only, so the order must agree within it; replicas may differ (a forward whose
+    branch depends on the replica's data or index), and with the world-wide check they fail with
+    "Detected a disagreement ... between rank0 and rank<k>". After this call, the checks issued from
+    this engine's ``reset_step`` all-gather the orders over ``group`` instead and raise a
+    ``RuntimeError`` on every rank of the replica when they differ. Other engines in the process are
+    unaffected. DeepSpeed's debugging checks (``safe_mode`` all-gathers, ``enable_sanity_checks``)
+    still compare the whole world.
+
+    .. warning::
+        The checks become collectives over ``group``: every rank of it runs the same forwards, as
+        ZeRO-3 requires anyway.
+    """
+    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+
+    current = ppc.assert_ints_same_as_other_ranks
+    if not hasattr(current, "_hieravg_original"):
+        ppc.assert_ints_same_as_other_ranks = _assert_ints_same_in_replica(current)
+    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+    reset_step = coordinator.reset_step
+
+    def reset_step_in_replica(*args: Any, **kwargs: Any) -> Any:
+        token = _TRACE_GROUP.set(group)
+        try:
+            return reset_step(*args, **kwargs)
+        finally:
+            _TRACE_GROUP.reset(token)
+
+    coordinator.reset_step = reset_step_in_replica

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..agreement import agree_across_ranks, raise_on_every_rank
 from ..config import AveragingConfig, warn_at_caller
 from ..optimizer import HierarchicalAveragingOptimizer
-from .engine import DeepSpeedAveraging, attach
+from .engine import DeepSpeedAveraging, attach, keep_trace_checks_in_replica
 from .mpu import ReplicaParallelUnit
 from .section import (
     SECTION,
@@ -58,6 +58,8 @@ def initialize(
     config: str | os.PathLike | Mapping[str, Any] | None = None,
     mesh_param: Any = None,
     config_params: str | os.PathLike | Mapping[str, Any] | None = None,
+    *,
+    average_buffers: bool | None = None,
 ):
     """:func:`deepspeed.initialize`, plus hierarchical averaging from the config's ``"hierarchical_averaging"``.
 
@@ -74,6 +76,12 @@ def initialize(
       ``LOCAL_SIZE``, the ranks of one node): consecutive ranks that form one DeepSpeed
       data-parallel group (gradients reduced every step, ZeRO partitions within it).
     * ``bucket_cap_mb`` (default 25): communication bucket size, in MB.
+    * ``average_buffers`` (default true): average the module's floating-point buffers
+      (BatchNorm running statistics) with the weights: broadcast from rank 0 at the start
+      and, at each round, replaced by their mean over the level's whole block of ranks (see
+      :class:`~hieravg_optim.deepspeed.DeepSpeedAveraging`). On by default because DDP keeps
+      buffers equal on every rank and plain DeepSpeed leaves them different on every rank;
+      false keeps them local to each rank, as DeepSpeed does.
     * ``enabled`` (default true): false ignores the section.
 
     The section is removed before the config reaches DeepSpeed. The batch size keys then
@@ -96,12 +104,19 @@ def initialize(
         Collective over the default process group, like :func:`deepspeed.initialize`:
         every rank must call it with the same config.
 
+    Args:
+        average_buffers: Overrides the section's ``"average_buffers"`` when not ``None``
+            (``True`` or ``False``); must be the same on every rank. Without an enabled section
+            it has no effect, and a value other than ``None`` warns. The other arguments are
+            :func:`deepspeed.initialize`'s.
+
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)``, as :func:`deepspeed.initialize`.
 
     Raises:
-        ValueError: naming the key and the value, for an invalid section, on every rank before
-            the engine is built; or for a ``train_batch_size`` that does not count one replica.
+        ValueError: naming the key and the value, for an invalid section or an ``average_buffers``
+            that is neither ``None`` nor a bool, on every rank before the engine is built; or for a
+            ``train_batch_size`` that does not count one replica.
         NotImplementedError: with an ``mpu``, a ``mesh_param``, sequence parallelism, a pipeline
             module, a model built under ``deepspeed.zero.Init``, or ZeRO-3 NVMe offload.
         TypeError: on every rank, before DeepSpeed is called, for an ``optimizer`` that is a
@@ -125,7 +140,7 @@ def initialize(
         ds_kwargs["distributed_port"] = distributed_port
     source, from_args = _find_config(args, config, config_params)
     initialized = dist.is_available() and dist.is_initialized()
-    local = _check_locally(source, model, optimizer, mpu, mesh_param, initialized)
+    local = _check_locally(source, model, optimizer, mpu, mesh_param, initialized, average_buffers, lr_scheduler)
     # Without any config DeepSpeed raises its own error; the agreement then only runs when another rank
     # may be waiting in it.
     if local.loaded is not None or initialized:
@@ -136,7 +151,14 @@ def initialize(
     if local.averaging_config is None:  # "enabled": false
         return _deepspeed_initialize(args, from_args, local.ds_config, ds_kwargs)
     return _initialize_with_averaging(
-        local.averaging_config, args, from_args, local.ds_config, ds_kwargs, training_data, collate_fn
+        local.averaging_config,
+        args,
+        from_args,
+        local.ds_config,
+        ds_kwargs,
+        training_data,
+        collate_fn,
+        average_buffers=local.average_buffers,
     )
 
 
@@ -152,6 +174,8 @@ class _Local:
     """The config without the section, for DeepSpeed; ``None`` when the config has no section."""
     averaging_config: AveragingConfig | None = None
     """The core config, ``ranks_per_replica`` resolved; ``None`` without a section or with ``"enabled": false``."""
+    average_buffers: bool = False
+    """Whether the module's floating-point buffers are averaged: the argument, else the section's key."""
 
 
 def _find_config(args: Any, config: Any, config_params: Any) -> tuple[Any, bool]:
@@ -164,7 +188,16 @@ def _find_config(args: Any, config: Any, config_params: Any) -> tuple[Any, bool]
     return source, from_args
 
 
-def _check_locally(source: Any, model: Any, optimizer: Any, mpu: Any, mesh_param: Any, initialized: bool) -> _Local:
+def _check_locally(
+    source: Any,
+    model: Any,
+    optimizer: Any,
+    mpu: Any,
+    mesh_param: Any,
+    initialized: bool,
+    average_buffers: Any = None,
+    lr_scheduler: Any = None,
+) -> _Local:
     """Read the config, parse the section and check the arguments, on this rank alone.
 
     Where torch.distributed is already initialized, a failure on some ranks only (a missing config
@@ -180,12 +213,24 @@ def _check_locally(source: Any, model: Any, optimizer: Any, mpu: Any, mesh_param
                 f"optimizer={type(optimizer).__name__}(...).optimizer, or the torch.optim.AdamW you wrapped) "
                 f'and give the config a "{SECTION}" section: the section does the averaging.'
             )
+        if average_buffers is not None and not isinstance(average_buffers, bool):
+            raise ValueError(
+                f"average_buffers must be True, False or None (the section's \"average_buffers\"), got "
+                f"{average_buffers!r} ({type(average_buffers).__name__})."
+            )
         local.loaded = load_config(source) if source is not None else None
         if local.loaded is not None and SECTION in local.loaded:
             local.settings = parse_section(local.loaded[SECTION])
             local.ds_config = {k: v for k, v in local.loaded.items() if k != SECTION}
             local.averaging_config = _local_averaging_config(
                 local.settings, local.ds_config, model, optimizer, mpu, mesh_param
+            )
+            local.average_buffers = local.settings.average_buffers if average_buffers is None else average_buffers
+            if local.averaging_config is not None:
+                _check_empty_groups(optimizer, lr_scheduler)
+        if average_buffers is not None and local.averaging_config is None:
+            warn_at_caller(
+                f'average_buffers={average_buffers} has no effect: the config has no enabled "{SECTION}" section.'
             )
     except Exception as exc:  # noqa: BLE001 - raised on every rank
         if not initialized:
@@ -224,7 +269,7 @@ def _agree(local: _Local) -> None:
             check_world_size(local.settings, local.averaging_config, dist.get_world_size())
         except ValueError as exc:
             error = exc
-        value: object = asdict(local.averaging_config)
+        value: object = {**asdict(local.averaging_config), "average_buffers": local.average_buffers}
     else:
         value = "disabled" if local.loaded is not None else "no config"
     agree_across_ranks(_AGREEMENT, value, None, error=error, fix=_AGREEMENT_FIX)
@@ -260,6 +305,8 @@ def _initialize_with_averaging(
     ds_kwargs: Mapping[str, Any],
     training_data: Any,
     collate_fn: Callable | None,
+    *,
+    average_buffers: bool,
 ):
     """The engine over the replica mpu, with the averaging attached; every replica starts from replica 0."""
     rpr = averaging_config.ranks_per_replica
@@ -270,9 +317,11 @@ def _initialize_with_averaging(
     assert engine.optimizer is not None, "DeepSpeed built no optimizer although one was given"
     dataloader = _shard_over_world(engine, dataloader, training_data, collate_fn)
     # Checked against the world size and agreed on in _agree: the averager's own agreement would repeat it.
-    state = DeepSpeedAveraging(engine, averaging_config, replica_mpu, agreed=True)
+    state = DeepSpeedAveraging(engine, averaging_config, replica_mpu, agreed=True, average_buffers=average_buffers)
     state.broadcast_from_first_replica()
     attach(engine, state)
+    if state.kind == "zero3":
+        keep_trace_checks_in_replica(engine, replica_mpu.get_data_parallel_group())
     if dist.get_rank() == 0:
         logger.info(
             "hierarchical averaging on DeepSpeed: %d replicas of %d ranks (ZeRO stage %d, %s); levels %s, warmup %d",
@@ -319,6 +368,29 @@ def _shard_over_world(engine: Any, dataloader: Any, training_data: Any, collate_
     )
     engine.training_dataloader = engine.deepspeed_io(training_data, data_sampler=world_sampler, collate_fn=collate_fn)
     return engine.training_dataloader
+
+
+def _check_empty_groups(optimizer: Any, lr_scheduler: Any) -> None:
+    """An empty parameter group with a client scheduler *instance* is a ValueError naming the group.
+
+    DeepSpeed (``DeepSpeedEngine._configure_optimizer``) removes the parameter groups without
+    parameters from the client optimizer, after the scheduler was built on all of them: the
+    scheduler's per-group lists are then one longer than ``param_groups`` and its first step, in the
+    first ``engine.step()``, fails (``zip() argument 2 is longer than argument 1``). A scheduler
+    given as a callable is built by DeepSpeed on the optimizer without the empty groups, and works.
+    """
+    if lr_scheduler is None or callable(lr_scheduler) or not hasattr(optimizer, "param_groups"):
+        return
+    empty = [i for i, group in enumerate(optimizer.param_groups) if len(group["params"]) == 0]
+    if empty:
+        raise ValueError(
+            f"optimizer parameter group {empty[0]} has no parameters (empty groups: {empty}) and lr_scheduler is a "
+            f"{type(lr_scheduler).__name__} built on all {len(optimizer.param_groups)} groups: DeepSpeed removes the "
+            "empty groups from the optimizer but not from the scheduler, whose first step then fails. Remove the "
+            "empty groups before building the optimizer and the scheduler, or pass the scheduler as a callable, "
+            f"e.g. lr_scheduler=lambda opt: {type(lr_scheduler).__name__}(opt, ...), which DeepSpeed builds on the "
+            "optimizer without them."
+        )
 
 
 def _local_averaging_config(

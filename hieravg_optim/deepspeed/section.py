@@ -28,7 +28,7 @@ __all__ = [
 SECTION = "hierarchical_averaging"
 """The top-level key of the DeepSpeed config this adapter reads (and removes before DeepSpeed sees it)."""
 
-_KEYS = ("enabled", "period_group_size", "warmup_steps", "ranks_per_replica", "bucket_cap_mb")
+_KEYS = ("enabled", "period_group_size", "warmup_steps", "ranks_per_replica", "bucket_cap_mb", "average_buffers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,8 @@ class SectionSettings:
     """Consecutive ranks forming one DeepSpeed data-parallel group; ``None`` = ``"auto"`` (one node)."""
     bucket_cap_mb: float
     """Communication bucket size, in MB (10**6 bytes)."""
+    average_buffers: bool = True
+    """Average the module's floating-point buffers (BatchNorm running statistics) on the same schedule."""
 
     def averaging_config(self, ranks_per_replica: int) -> AveragingConfig:
         """The core config, with ``ranks_per_replica`` resolved."""
@@ -114,12 +116,16 @@ def parse_section(section: Any) -> SectionSettings:
     cap = section.get("bucket_cap_mb", 25.0)
     if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0:
         raise _bad("bucket_cap_mb", cap, "a positive number (MB)")
+    average_buffers = section.get("average_buffers", True)
+    if not isinstance(average_buffers, bool):
+        raise _bad("average_buffers", average_buffers, "true or false")
     settings = SectionSettings(
         enabled=enabled,
         period_group_size=dict(pgs),
         warmup_steps=int(warmup),
         ranks_per_replica=rpr_value,
         bucket_cap_mb=float(cap),
+        average_buffers=average_buffers,
     )
     if enabled:
         # Everything about the levels that needs no world size (periods, group sizes, order).
