@@ -27,6 +27,7 @@ __all__ = [
     "HSDP_FIX",
     "REPLICATE_DIM",
     "SHARD_DIM",
+    "backend_device_type",
     "check_fsdp1_strategy",
     "check_replicate_shard_mesh",
     "init_replicate_shard_mesh",
@@ -50,6 +51,30 @@ HSDP_FIX = (
 """The fix named by every error about a module sharded across replicas (HYBRID_SHARD, HSDP, another group)."""
 
 
+def backend_device_type(group: dist.ProcessGroup | None = None) -> str:
+    """The device type the backend of ``group`` (default: the default group) communicates on.
+
+    ``"gloo"`` -> ``"cpu"``, ``"nccl"`` -> ``"cuda"``, ``"xccl"`` -> ``"xpu"`` (torch's
+    ``Backend.default_device_backend_map``, read backwards); for a per-device backend such as
+    ``"cpu:gloo,cuda:nccl"``, its first device type other than ``"cpu"``. Local, no collective.
+
+    Raises:
+        RuntimeError: if torch.distributed is not initialized.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group() first.")
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:  # "cpu:gloo,cuda:nccl"
+        devices = [part.split(":", 1)[0].strip() for part in backend.split(",")]
+        return next((d for d in devices if d != "cpu"), "cpu")
+    if backend == "gloo":
+        return "cpu"
+    for device, name in dist.Backend.default_device_backend_map.items():
+        if name == backend:
+            return device
+    return "cpu"
+
+
 def init_replicate_shard_mesh(shards_per_replica: int, device_type: str | None = None) -> DeviceMesh:
     """Build the ``(replicate, shard)`` device mesh over the default process group.
 
@@ -57,7 +82,10 @@ def init_replicate_shard_mesh(shards_per_replica: int, device_type: str | None =
 
     Args:
         shards_per_replica: ``S``, ranks per replica (the FSDP shard group size). Must divide the world size.
-        device_type: ``"cpu"`` or ``"cuda"``; ``None``: ``"cuda"`` when available, else ``"cpu"``.
+        device_type: ``"cpu"``, ``"cuda"`` or another device type; ``None``: the device type of the
+            default process group's backend (see :func:`backend_device_type`: ``"gloo"`` -> ``"cpu"``,
+            ``"nccl"`` -> ``"cuda"``), not whether CUDA is available: a gloo run of several ranks on
+            a machine with fewer GPUs than ranks stays on the CPU.
 
     Returns:
         A mesh of shape ``(W // S, S)`` named ``("replicate", "shard")``; replica ``r`` is ranks
@@ -78,7 +106,7 @@ def init_replicate_shard_mesh(shards_per_replica: int, device_type: str | None =
             "is a block of shards_per_replica consecutive ranks."
         )
     if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = backend_device_type()
     return init_device_mesh(
         device_type,
         (world_size // shards_per_replica, shards_per_replica),
@@ -167,7 +195,8 @@ def shard_replica(
             if mesh.device_type == "cpu":
                 fsdp_kwargs["device_id"] = torch.device("cpu")
             else:
-                fsdp_kwargs["device_id"] = torch.device(mesh.device_type, torch.cuda.current_device())
+                device_module = torch.get_device_module(mesh.device_type)
+                fsdp_kwargs["device_id"] = torch.device(mesh.device_type, device_module.current_device())
         return FSDP(module, process_group=shard_mesh.get_group(), **fsdp_kwargs)
     if fsdp_version == 2:
         for sub in submodules:

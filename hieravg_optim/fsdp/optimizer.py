@@ -67,7 +67,9 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         bucket_cap_mb: Bucket size, in MB (10**6 bytes).
 
     Raises:
-        TypeError: if ``module`` is not sharded with FSDP, or ``mesh`` is not a ``DeviceMesh``.
+        TypeError: if ``module`` is not sharded with FSDP, or ``mesh`` is not a ``DeviceMesh``; if an
+            optimizer parameter is the unsharded copy FSDP2 registers between a forward and its reshard
+            (the optimizer was built after a forward; build it before, or call ``module.reshard()``).
         ValueError: on every rank, before the averaging groups are built: for a mesh with another layout,
             hybrid sharding (HYBRID_SHARD, _HYBRID_SHARD_ZERO2, a 2-D FSDP2 mesh), FSDP sharded over other
             ranks than this rank's mesh row, an optimizer parameter FSDP does not manage, or a bad schedule.
@@ -207,6 +209,7 @@ def _validate_module(
             chosen[id(flat)] = flat
         flats = [u._handle.flat_param for u in units if id(u._handle.flat_param) in chosen]
         return 1, flats
+    _check_no_unsharded_fsdp2_params(module, params)
     if not dtensor_params:
         raise TypeError(
             f"{type(module).__name__} is not sharded with FSDP (no FlatParameter, no DTensor parameter): shard it "
@@ -238,3 +241,43 @@ def _validate_module(
                 f"replica (mesh row) is {row}. {HSDP_FIX}"
             )
     return 2, []
+
+
+def _check_no_unsharded_fsdp2_params(module: nn.Module, params: list[torch.Tensor]) -> None:
+    """A ``TypeError`` if an optimizer parameter is the unsharded copy of an FSDP2 parameter.
+
+    FSDP2 registers a module's unsharded parameters (plain tensors) in place of its sharded
+    DTensor parameters from its all-gather in forward until it reshards. A module that does not
+    reshard after forward (the root, whose ``reshard_after_forward`` defaults to False) keeps them
+    registered until the backward has run, so ``module.parameters()`` taken right after a forward
+    are the unsharded copies (https://github.com/pytorch/pytorch/issues/149205). An optimizer over
+    them updates a temporary copy: plain torch then trains nothing. Replacing them by the sharded
+    parameters behind the optimizer's back would leave its state, and any scheduler or user
+    reference, on the copies, so this raises instead.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    copies: dict[int, str] = {}
+    for name, sub in module.named_modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # older torch: one group per module
+            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    copies[id(unsharded)] = getattr(fsdp_param, "_param_fqn", None) or f"a parameter of {name or 'the root'}"
+    for i, p in enumerate(params):
+        fqn = copies.get(id(p))
+        if fqn is not None:
+            raise TypeError(
+                f"Optimizer parameter {i} (shape {tuple(p.shape)}) is the unsharded copy of the FSDP2 parameter "
+                f"{fqn!r}, not the sharded DTensor parameter: the optimizer was built after a forward, which left "
+                "the parameters of a module that does not reshard after forward (the root module by default) "
+                "unsharded (torch issue 149205); the optimizer would update a temporary copy. Build the optimizer "
+                "before the first forward, or call module.reshard() (FSDPModule.reshard) on that module before "
+                "taking module.parameters()."
+            )
