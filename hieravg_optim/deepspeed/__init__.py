@@ -7,7 +7,8 @@
         "period_group_size": {"4": 4, "16": 8},
         "warmup_steps": 100,
         "ranks_per_replica": "auto",
-        "bucket_cap_mb": 25
+        "bucket_cap_mb": 25,
+        "average_buffers": true
     }
 
 and then

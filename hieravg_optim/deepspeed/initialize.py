@@ -98,7 +98,11 @@ def initialize(
     overflow-skipped steps included), starts every replica from replica 0's weights, shards
     ``training_data`` over all ranks (DeepSpeed alone would shard it over one replica), and its
     ``save_checkpoint`` / ``load_checkpoint`` keep each replica's state in
-    ``<dir>/replica_<k>/`` with the averaging step count in the client state.
+    ``<dir>/replica_<k>/`` with the averaging step count in the client state. Under ZeRO-3,
+    DeepSpeed's check that every rank's forward used the submodules in the same order compares
+    the ranks of one replica instead of the whole world (see
+    :func:`~hieravg_optim.deepspeed.engine.keep_trace_checks_in_replica`): replicas may take
+    different branches.
 
     .. warning::
         Collective over the default process group, like :func:`deepspeed.initialize`:
@@ -115,8 +119,10 @@ def initialize(
 
     Raises:
         ValueError: naming the key and the value, for an invalid section or an ``average_buffers``
-            that is neither ``None`` nor a bool, on every rank before the engine is built; or for a
-            ``train_batch_size`` that does not count one replica.
+            that is neither ``None`` nor a bool, on every rank before the engine is built; for a
+            ``train_batch_size`` that does not count one replica; for an ``optimizer`` with an empty
+            parameter group together with an ``lr_scheduler`` instance (DeepSpeed drops the group
+            from the optimizer only: pass the scheduler as a callable, or drop the group).
         NotImplementedError: with an ``mpu``, a ``mesh_param``, sequence parallelism, a pipeline
             module, a model built under ``deepspeed.zero.Init``, or ZeRO-3 NVMe offload.
         TypeError: on every rank, before DeepSpeed is called, for an ``optimizer`` that is a
