@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import os
 import re
@@ -92,8 +93,6 @@ def write_file_atomic(path: str | os.PathLike, data: bytes) -> None:
 
 def save_rank_state(folder: str, rank: int, state: dict) -> str:
     """``torch.save`` this rank's ``state`` to ``folder/rank_<rank>.pt``, atomically; returns the path."""
-    import io
-
     buffer = io.BytesIO()
     torch.save(state, buffer)
     path = os.path.join(folder, f"rank_{rank}.pt")
