@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from hieravg_optim import HierarchicalAverager, rounds_per_level
 
 __all__ = [
     "DigitsShard",
+    "Progress",
     "averaging_metrics",
     "batches",
     "build_mlp",
@@ -33,6 +34,7 @@ __all__ = [
     "run_metrics",
     "steps_per_epoch",
     "train_epochs",
+    "whole_run_metrics",
     "write_metrics",
 ]
 
@@ -146,6 +148,20 @@ def steps_per_epoch(data: DigitsShard, batch_size: int, rank: int, world_size: i
     return steps
 
 
+@dataclass
+class Progress:
+    """Where training stands on this rank; what a checkpoint saves so that a resumed run continues it exactly."""
+
+    step: int = 0
+    """Optimizer steps done. With the epoch length it fixes the position in the data: epoch
+    ``step // steps``, and the batches of that epoch already taken (:func:`batches` is a
+    function of the seed and the epoch)."""
+    epoch_loss: float = 0.0
+    """Sum of this rank's training losses over the steps of the unfinished epoch."""
+    loss_curve: list[float] = field(default_factory=list)
+    """Mean training loss of each finished epoch, over its steps and all ranks."""
+
+
 def train_epochs(
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
@@ -158,8 +174,15 @@ def train_epochs(
     rank: int,
     world_size: int,
     desc: str,
+    progress: Progress | None = None,
+    after_step: Callable[[Progress], None] | None = None,
 ) -> list[float]:
     """Train ``epochs`` x ``steps`` optimizer steps on this rank's share; rank 0 shows a progress bar.
+
+    Args:
+        progress: Where to start (a resumed run's checkpoint); updated in place. Default: step 0.
+        after_step: Called after every optimizer step (after the epoch's loss is reduced, when the
+            step ends an epoch), e.g. to save a checkpoint; on every rank, at the same steps.
 
     Returns:
         The loss curve: per epoch, the mean training loss over the epoch's steps and all ranks.
@@ -167,35 +190,57 @@ def train_epochs(
     .. warning:: Collective over the default process group (one all-reduce per epoch, and ``opt``'s own).
     """
     loss_fn = torch.nn.CrossEntropyLoss()
-    loss_curve = []
-    bar = tqdm(total=epochs * steps, disable=rank != 0, desc=desc, unit="step", mininterval=0.5)
-    for epoch in range(epochs):
-        epoch_loss = torch.zeros(1, dtype=torch.float64)
+    progress = progress if progress is not None else Progress()
+    bar = tqdm(total=epochs * steps, initial=progress.step, disable=rank != 0, desc=desc, unit="step", mininterval=0.5)
+    for epoch in range(progress.step // steps, epochs):
+        done = progress.step - epoch * steps  # batches of this epoch taken before a resume
         epoch_batches = batches(data.x_train, data.y_train, batch_size, epoch=epoch, seed=seed + rank)
-        for _, (x, y) in zip(range(steps), epoch_batches):
+        for i, (x, y) in zip(range(steps), epoch_batches):
+            if i < done:
+                continue
             opt.zero_grad()
             loss = loss_fn(model(x).float(), y)
             loss.backward()
             opt.step()
-            epoch_loss += loss.item()
+            progress.step += 1
+            progress.epoch_loss += loss.item()
             bar.update(1)
-        dist.all_reduce(epoch_loss)
-        loss_curve.append(epoch_loss.item() / (steps * world_size))
-        bar.set_postfix(loss=f"{loss_curve[-1]:.4f}", epoch=epoch + 1)
+            if i == steps - 1:
+                epoch_loss = torch.tensor([progress.epoch_loss], dtype=torch.float64)
+                dist.all_reduce(epoch_loss)
+                progress.loss_curve.append(epoch_loss.item() / (steps * world_size))
+                progress.epoch_loss = 0.0
+                bar.set_postfix(loss=f"{progress.loss_curve[-1]:.4f}", epoch=epoch + 1)
+            if after_step is not None:
+                after_step(progress)
     bar.close()
-    return loss_curve
+    return progress.loss_curve
 
 
-def averaging_metrics(averager: HierarchicalAverager, total_steps: int) -> dict:
+def whole_run_metrics(averager: HierarchicalAverager, earlier: dict | None = None) -> dict[int, dict]:
+    """``averager.metrics()`` with the counters of ``earlier`` added (rounds, bytes, seconds).
+
+    ``earlier``: what this function returned when the checkpoint a resumed run started from was
+    saved (the averager counts only since its construction). Local, no collective.
+    """
+    metrics = averager.metrics()
+    for period, before in (earlier or {}).items():
+        for key in ("rounds", "payload_bytes", "bytes_sent", "seconds"):
+            metrics[period][key] += before[key]
+    return metrics
+
+
+def averaging_metrics(averager: HierarchicalAverager, total_steps: int, earlier: dict | None = None) -> dict:
     """The metrics-JSON keys every digits example writes about the averaging, JSON keys as strings.
 
-    ``period_group_size``, ``warmup_steps``, ``rounds_per_level`` (counted by the averager),
-    ``expected_rounds_per_level`` (from the schedule over ``total_steps`` steps) and
-    ``bytes_sent_per_level``. Read them before any final extra averaging, which adds a round.
+    ``period_group_size``, ``warmup_steps``, ``rounds_per_level`` (counted by the averager, plus
+    ``earlier``'s in a resumed run: see :func:`whole_run_metrics`), ``expected_rounds_per_level``
+    (from the schedule over ``total_steps`` steps) and ``bytes_sent_per_level``. Read them before
+    any final extra averaging, which adds a round.
     """
     levels = averager.levels
     expected = rounds_per_level(0, total_steps, levels, averager.warmup_steps)
-    metrics = averager.metrics()
+    metrics = whole_run_metrics(averager, earlier)
     return {
         "period_group_size": {str(lv.period): lv.group_size for lv in levels},
         "warmup_steps": averager.warmup_steps,

@@ -9,6 +9,12 @@ Run (gloo on CPU; no download, the data ships with scikit-learn)::
 
     torchrun --nproc_per_node 4 examples/train_digits.py --metrics-out runs/digits.json
 
+Restartable (torchrun restarts every rank when one dies; each attempt resumes from the latest
+complete checkpoint, and ends as an uninterrupted run would)::
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node 4 --max-restarts 3 examples/train_digits.py \\
+        --checkpoint-dir runs/ckpt --checkpoint-every 20 --resume
+
 With 4 ranks the default hierarchy is ``4:2,16:4``: pairs of ranks average every
 4 steps, all 4 ranks every 16 steps. Rank 0 shows a progress bar and prints the
 test accuracy of the final, globally averaged model.
@@ -25,7 +31,17 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from checkpointing import (
+    add_checkpoint_arguments,
+    check_checkpoint_arguments,
+    kill_drill,
+    resume_latest,
+    save_checkpoint,
+    save_rank_state,
+    warn_if_restarts_share_the_store,
+)
 from digits_common import (
+    Progress,
     averaging_metrics,
     build_mlp,
     evaluate,
@@ -35,6 +51,7 @@ from digits_common import (
     run_metrics,
     steps_per_epoch,
     train_epochs,
+    whole_run_metrics,
 )
 from hieravg_optim import AveragingConfig, HierarchicalAveragingOptimizer
 
@@ -125,6 +142,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--non-iid", action="store_true", help="give each rank a block of the training set sorted by label"
     )
     parser.add_argument("--metrics-out", metavar="PATH", default=None, help="write the run's metrics as JSON to PATH")
+    add_checkpoint_arguments(parser)
     return parser
 
 
@@ -133,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         parser.error("RANK/WORLD_SIZE are not set: launch with torchrun --nproc_per_node N examples/train_digits.py")
+    check_checkpoint_arguments(parser, args)
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
 
@@ -146,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(f"--period-group-size {_format_levels(levels)} with {world_size} ranks: {e}")
 
+    warn_if_restarts_share_the_store()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
     dist.init_process_group("gloo")
@@ -157,6 +177,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _format_levels(levels: dict[int, int]) -> str:
     return ",".join(f"{p}:{g}" for p, g in levels.items())
+
+
+# The settings a checkpoint must have been saved with: a resumed run with other values would not continue it.
+RESUME_SETTINGS = ("period_group_size", "warmup_steps", "epochs", "lr", "batch_size", "seed", "non_iid")
 
 
 def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_size: int) -> dict:
@@ -171,11 +195,43 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
         period_group_size_dict=levels,
         warmup_steps=args.warmup_steps,
     )
+    settings = {k: getattr(args, k) for k in RESUME_SETTINGS} | {"period_group_size": levels}
+    progress, earlier_metrics, resumed_from = Progress(), None, None
+    if args.resume:
+        _, state = resume_latest(args.checkpoint_dir, rank, settings)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])  # the inner AdamW state and the averaging count
+            torch.set_rng_state(state["rng"])
+            progress = Progress(**state["progress"])
+            earlier_metrics, resumed_from = state["averaging_metrics"], progress.step
+
+    every = args.checkpoint_every or steps
+
+    def after_step(p: Progress) -> None:
+        due = args.checkpoint_dir is not None and (p.step % every == 0 or p.step == total_steps)
+        if not due:
+            kill_drill(args, p.step, rank, world_size, in_save=False)
+            return
+
+        def write(folder: str) -> None:
+            save_rank_state(folder, rank, {
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "rng": torch.get_rng_state(),
+                "progress": {"step": p.step, "epoch_loss": p.epoch_loss, "loss_curve": list(p.loss_curve)},
+                "averaging_metrics": whole_run_metrics(opt.averager, earlier_metrics),
+                "settings": settings,
+            })  # fmt: skip
+            kill_drill(args, p.step, rank, world_size, in_save=True)
+
+        save_checkpoint(args.checkpoint_dir, p.step, write)
+
     loss_curve = train_epochs(
         model, opt, data, epochs=args.epochs, steps=steps, batch_size=args.batch_size, seed=args.seed,
-        rank=rank, world_size=world_size, desc="digits",
+        rank=rank, world_size=world_size, desc="digits", progress=progress, after_step=after_step,
     )  # fmt: skip
-    averaging = averaging_metrics(opt.averager, total_steps)  # before the final averaging adds a round
+    averaging = averaging_metrics(opt.averager, total_steps, earlier_metrics)  # before the final averaging's round
 
     # Final global averaging, then check by all-gather that every rank holds the same parameters.
     opt.averager.average(-1, opt.tensors_to_average())
@@ -188,6 +244,8 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
             args, world_size=world_size, steps=total_steps, loss_curve=loss_curve, test_loss=test_loss,
             test_accuracy=test_accuracy, replicas_identical=identical, seconds=time.perf_counter() - start,
         ),  # fmt: skip
+        "averaging_step": opt.averager.step,
+        "resumed_from_step": resumed_from,
     }
 
 

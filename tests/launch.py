@@ -35,19 +35,22 @@ def torchrun(
     timeout: float = 240.0,
     progress_bar: bool = False,
     cwd: Path = ROOT,
+    launcher_args: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run ``torchrun --standalone --nproc_per_node nproc script args`` and return its completed process.
+    """Run ``torchrun --standalone --nproc_per_node nproc *launcher_args script *args``; return its completed process.
 
-    On a timeout the launcher and every rank are killed (they share a new session)
-    and the test fails with the captured output.
+    ``extra_env`` is added to the environment of the launcher and the ranks. On a timeout the
+    launcher and every rank are killed (they share a new session) and the test fails with the
+    captured output.
     """
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-        str(script), *args,
+        *launcher_args, str(script), *args,
     ]  # fmt: skip
     # No PYTHONUNBUFFERED: unbuffered, print() writes the text and the newline in two calls, and the
     # lines of 4 ranks sharing one pipe interleave.
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
     env.pop("PYTHONUNBUFFERED", None)
     if progress_bar:
         env.pop("TQDM_DISABLE", None)
