@@ -74,6 +74,13 @@ def initialize(
       ``LOCAL_SIZE``, the ranks of one node): consecutive ranks that form one DeepSpeed
       data-parallel group (gradients reduced every step, ZeRO partitions within it).
     * ``bucket_cap_mb`` (default 25): communication bucket size, in MB.
+    * ``synchronous_warmup`` (default true): during the warm-up, average all replicas after every
+      engine optimizer step (one top-level round per step), so that the warm-up is synchronous
+      across replicas as in post-local SGD; false: warm-up steps never average (the replicas
+      train apart until ``warmup_steps``).
+    * ``average_frozen`` (default false): also average the module's parameters with
+      ``requires_grad=False`` (ZeRO 0-2; ZeRO-3 with a frozen parameter raises
+      ``NotImplementedError``); false: they are never sent and never changed by averaging.
     * ``enabled`` (default true): false ignores the section.
 
     The section is removed before the config reaches DeepSpeed. The batch size keys then
@@ -136,7 +143,7 @@ def initialize(
     if local.averaging_config is None:  # "enabled": false
         return _deepspeed_initialize(args, from_args, local.ds_config, ds_kwargs)
     return _initialize_with_averaging(
-        local.averaging_config, args, from_args, local.ds_config, ds_kwargs, training_data, collate_fn
+        local.averaging_config, local.settings.average_frozen, args, from_args, local.ds_config, ds_kwargs, training_data, collate_fn
     )
 
 
@@ -224,7 +231,7 @@ def _agree(local: _Local) -> None:
             check_world_size(local.settings, local.averaging_config, dist.get_world_size())
         except ValueError as exc:
             error = exc
-        value: object = asdict(local.averaging_config)
+        value: object = {**asdict(local.averaging_config), "average_frozen": local.settings.average_frozen}
     else:
         value = "disabled" if local.loaded is not None else "no config"
     agree_across_ranks(_AGREEMENT, value, None, error=error, fix=_AGREEMENT_FIX)
@@ -254,6 +261,7 @@ def _deepspeed_initialize(
 
 def _initialize_with_averaging(
     averaging_config: AveragingConfig,
+    average_frozen: bool,
     args: Any,
     from_args: bool,
     ds_config: dict[str, Any],
@@ -270,7 +278,7 @@ def _initialize_with_averaging(
     assert engine.optimizer is not None, "DeepSpeed built no optimizer although one was given"
     dataloader = _shard_over_world(engine, dataloader, training_data, collate_fn)
     # Checked against the world size and agreed on in _agree: the averager's own agreement would repeat it.
-    state = DeepSpeedAveraging(engine, averaging_config, replica_mpu, agreed=True)
+    state = DeepSpeedAveraging(engine, averaging_config, replica_mpu, agreed=True, average_frozen=average_frozen)
     state.broadcast_from_first_replica()
     attach(engine, state)
     if dist.get_rank() == 0:
