@@ -449,7 +449,9 @@ def _frozen_case(rank, stage, average_frozen):
 
     import hieravg_optim.deepspeed as hds
 
-    section = {"period_group_size": {"2": WORLD}, "ranks_per_replica": S, "average_frozen": average_frozen}
+    section = {"period_group_size": {"2": WORLD}, "ranks_per_replica": S}
+    if average_frozen:
+        section["average_frozen"] = True
     model = _model()
     frozen = model[0].weight  # 16 x 8
     frozen.requires_grad_(False)
@@ -700,6 +702,8 @@ BAD_SECTIONS = [
     ({"period_group_size": {"4": 4}, "warmup_steps": -1}, '"warmup_steps"'),
     ({"period_group_size": {"4": 4}, "warmup_steps": True}, '"warmup_steps"'),
     ({"period_group_size": {"4": 4}, "warmup_steps": 1.5}, '"warmup_steps"'),
+    ({"period_group_size": {"4": 4}, "synchronous_warmup": "yes"}, '"synchronous_warmup" must be true or false'),
+    ({"period_group_size": {"4": 4}, "average_frozen": 1}, '"average_frozen" must be true or false'),
     ({"period_group_size": {"4": 4}, "ranks_per_replica": 0}, '"ranks_per_replica"'),
     ({"period_group_size": {"4": 4}, "ranks_per_replica": "node"}, '"ranks_per_replica"'),
     ({"period_group_size": {"4": 4}, "ranks_per_replica": 2.0}, '"ranks_per_replica"'),

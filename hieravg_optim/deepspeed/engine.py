@@ -190,8 +190,8 @@ class DeepSpeedAveraging:
 
     def _frozen_context(self) -> dict[str, object]:
         """What the ranks of an averaging group agree on besides the tensors: which parameters are frozen."""
-        return {"frozen module parameters (index)": [i for i, p in enumerate(self.engine.module.parameters())
-                                                      if not p.requires_grad]}
+        frozen = [i for i, p in enumerate(self.engine.module.parameters()) if not p.requires_grad]
+        return {"frozen module parameters (requires_grad=False, index in module.parameters())": frozen}
 
     @torch.no_grad()
     def push_to_module(self) -> None:

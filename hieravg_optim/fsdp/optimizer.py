@@ -82,7 +82,9 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
     all FSDP2 parameters, frozen ones included) are overwritten with those of replica 0, as
     :func:`hieravg_optim.deepspeed.initialize` does and as DDP broadcasts from rank 0, so that
     replicas seeded differently start from the same weights (see
-    :meth:`~hieravg_optim.HierarchicalAverager.broadcast_from_first_replica`).
+    :meth:`~hieravg_optim.HierarchicalAverager.broadcast_from_first_replica`). Build the optimizer
+    before loading a checkpoint into the module (:func:`~hieravg_optim.fsdp.load_checkpoint` loads
+    both): weights loaded before construction are replaced by replica 0's on the other replicas.
 
     Raises:
         TypeError: if ``module`` is not sharded with FSDP, or ``mesh`` is not a ``DeviceMesh``.
@@ -91,7 +93,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             ranks than this rank's mesh row, an optimizer parameter FSDP does not manage, or a bad schedule.
         NotImplementedError: for FSDP1's NO_SHARD.
         RuntimeError: if the ranks disagree (one rank's validation failed: every rank raises, in the
-            constructor's one agreement collective).
+            constructor's one agreement collective), or the ranks holding the same shard hold local
+            shards of different shapes or dtypes (checked before replica 0's are broadcast).
 
     Example::
 
@@ -165,9 +168,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             return super()._frozen_context()
         if self.average_frozen:
             return {}
-        return {"skipped frozen FSDP flat parameters (index)": [
-            i for i, flat in enumerate(self._flat_params) if not self._trainable(flat)
-        ]}
+        frozen = [i for i, flat in enumerate(self._flat_params) if not self._trainable(flat)]
+        return {"skipped frozen FSDP flat parameters (requires_grad=False, index)": frozen}
 
     def _trainable(self, flat: nn.Parameter) -> bool:
         """Whether any optimizer parameter held by FSDP1 flat parameter ``flat`` has ``requires_grad``."""
@@ -177,7 +179,9 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         """This rank's local shards to average, in order (the same shapes on every same-shard rank).
 
         FSDP1: the local flat-parameter shards of the FSDP units holding optimizer parameters.
-        FSDP2: the ``to_local()`` shards of the optimizer's parameters.
+        FSDP2: the ``to_local()`` shards of the optimizer's parameters. Without ``average_frozen``,
+        frozen parameters (FSDP1: flat parameters whose optimizer parameters are all frozen) are
+        left out.
 
         Raises:
             RuntimeError: for FSDP1 if a flat parameter is not sharded now (inside forward or
