@@ -240,6 +240,8 @@ def averaging_metrics(averager: HierarchicalAverager, total_steps: int, earlier:
     """
     levels = averager.levels
     expected = rounds_per_level(0, total_steps, levels, averager.warmup_steps)
+    if averager.config.synchronous_warmup:  # every warm-up step averages at the top level
+        expected[-1] += min(averager.warmup_steps, total_steps)
     metrics = whole_run_metrics(averager, earlier)
     return {
         "period_group_size": {str(lv.period): lv.group_size for lv in levels},

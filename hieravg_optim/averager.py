@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._handover import hand_over
 from .agreement import agree_across_ranks, check_agreement
 from .averaging import BucketPool, average_tensors_
 from .config import AveragingConfig, is_int, warn_at_caller
@@ -160,7 +161,13 @@ class HierarchicalAverager:
         return self.config.warmup_steps
 
     def due_level(self) -> int | None:
-        """Index of the level that averages at the current count, or ``None``."""
+        """Index of the level that averages at the current count, or ``None``.
+
+        With :attr:`AveragingConfig.synchronous_warmup`, every warm-up count (below ``warmup_steps``)
+        averages at the top level; otherwise :func:`~hieravg_optim.schedule.level_at` decides.
+        """
+        if self.config.synchronous_warmup and self.step < self.config.warmup_steps:
+            return len(self.config.levels) - 1
         return level_at(self.step, self.config.levels, self.config.warmup_steps)
 
     def step_and_average(
@@ -168,6 +175,7 @@ class HierarchicalAverager:
         tensors: Callable[[], Sequence[torch.Tensor]],
         *,
         check: Callable[[], BaseException | None] | None = None,
+        context: Callable[[], Mapping[str, object]] | None = None,
     ) -> int | None:
         """Average ``tensors()`` if the schedule says so at the current count, then advance the count.
 
@@ -178,6 +186,8 @@ class HierarchicalAverager:
             check: Called only when averaging is due, before ``tensors()``; returns the error of a
                 local check that failed (or ``None``), raised on every rank of the subgroup by
                 :meth:`average` before any averaging collective.
+            context: Called only when averaging is due; returns what else the ranks of the subgroup
+                must agree on, by name (see :meth:`average`).
 
         Returns:
             The index of the level that averaged, or ``None``.
@@ -186,14 +196,20 @@ class HierarchicalAverager:
         index = self.due_level()
         if index is not None:
             error = None if check is None else check()
-            self.average(index, tensors(), error=error)
+            extra = None if context is None else context()
+            self.average(index, tensors(), error=error, context=extra)
         self.step += 1
         if self.log_metrics_every and self.step % self.log_metrics_every == 0:
             logger.info("hierarchical averaging at step %d: %s", self.step, self.metrics())
         return index
 
     def average(
-        self, level_index: int, tensors: Sequence[torch.Tensor], *, error: BaseException | None = None
+        self,
+        level_index: int,
+        tensors: Sequence[torch.Tensor],
+        *,
+        error: BaseException | None = None,
+        context: Mapping[str, object] | None = None,
     ) -> None:
         """Average ``tensors`` in place at level ``level_index`` now, whatever the count.
 
@@ -208,9 +224,12 @@ class HierarchicalAverager:
             tensors: The tensors to average in place.
             error: A local check of this rank that failed: raised here instead of averaging, and as
                 a ``RuntimeError`` on the other ranks of the subgroup, in the agreement collective.
+            context: What else the ranks of the subgroup must agree on, by name (e.g. which parameters
+                are frozen and skipped); part of the agreement check, so a disagreement is a
+                ``RuntimeError`` naming it on every rank, not averaging of different tensors.
 
         Raises:
-            RuntimeError: if the ranks of the subgroup disagree on the tensors, or another rank passed
+            RuntimeError: if the ranks of the subgroup disagree on the tensors or ``context``, or another rank passed
                 an ``error`` (see :func:`hieravg_optim.agreement.check_agreement`).
             Exception: ``error``, if given.
         """
@@ -226,7 +245,7 @@ class HierarchicalAverager:
             tensors,
             lg.group,
             lg.ranks,
-            context={"step count": self.step, "bucket_cap_mb": self.config.bucket_cap_mb},
+            context={"step count": self.step, "bucket_cap_mb": self.config.bucket_cap_mb, **(context or {})},
             what=f"the parameters to average at step {self.step} (period {lg.level.period}, group size "
             f"{lg.level.group_size})",
             error=error,
@@ -239,6 +258,40 @@ class HierarchicalAverager:
         metrics.payload_bytes += payload
         metrics.bytes_sent += 2 * (lg.size - 1) * payload // lg.size
         metrics.seconds += time.perf_counter() - start
+
+    @torch.no_grad()
+    def broadcast_from_first_replica(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Overwrite ``tensors`` in place with those of the first replica (as DDP broadcasts from rank 0).
+
+        Each rank receives from the rank of its top-level subgroup in replica 0, i.e. the rank holding
+        the same shard there; with ``ranks_per_replica=1``, from rank 0. The DeepSpeed and FSDP adapters
+        call it at construction, so that every replica starts from the same weights.
+
+        .. warning::
+            Collective over the default process group: one agreement check (an all-reduce of four
+            int64), then one broadcast per tensor, over this rank's top-level subgroup.
+
+        Args:
+            tensors: This rank's tensors (shards), the same number, shapes and dtypes on every rank of
+                its top-level subgroup.
+
+        Raises:
+            RuntimeError: on every rank of the subgroup, before any broadcast, if the ranks disagree on
+                the tensors' number, shapes or dtypes.
+        """
+        top = self.level_groups[-1]
+        if top.group is None:
+            return
+        check_agreement(
+            tensors,
+            top.group,
+            top.ranks,
+            context={"operation": "broadcast from the first replica"},
+            what="the tensors broadcast from the first replica at construction",
+        )
+        for t in tensors:
+            hand_over(t)
+            dist.broadcast(t, src=top.ranks[0], group=top.group)
 
     def metrics(self) -> dict[int, dict[str, Any]]:
         """What each level has done on this rank since construction; local, no collective.

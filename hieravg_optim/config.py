@@ -142,6 +142,16 @@ class AveragingConfig:
     bucket_cap_mb: float = 25.0
     """Upper bound of one communication bucket, in MB (10**6 bytes), per accumulation dtype."""
 
+    synchronous_warmup: bool = False
+    """Average at the top level (all replicas) after every warm-up step (counts ``0 .. warmup_steps - 1``).
+
+    Post-local SGD (https://arxiv.org/abs/1808.07217) warms up with fully synchronous
+    training. ``False`` (torch's ``HierarchicalModelAverager``): warm-up steps never average,
+    and something else keeps the replicas in step (DDP's post-local SGD hook all-reduces the
+    gradients globally). ``True``: the replicas, starting from the same weights, end every
+    warm-up step with the same weights; with SGD (with or without momentum) this is exactly
+    synchronous SGD over all ranks. The DeepSpeed and FSDP adapters turn it on by default."""
+
     def __post_init__(self) -> None:
         if not self.levels:
             raise ValueError("levels must not be empty.")
@@ -175,6 +185,11 @@ class AveragingConfig:
             or not math.isfinite(self.bucket_cap_mb)
         ):
             raise ValueError(f"bucket_cap_mb must be a positive, finite number of MB, got {self.bucket_cap_mb!r}.")
+        if not isinstance(self.synchronous_warmup, bool):
+            raise ValueError(
+                f"synchronous_warmup must be True or False, got {self.synchronous_warmup!r} "
+                f"({type(self.synchronous_warmup).__name__})."
+            )
 
     @classmethod
     def create(
@@ -184,6 +199,7 @@ class AveragingConfig:
         warmup_steps: int = 0,
         ranks_per_replica: int = 1,
         bucket_cap_mb: float = 25.0,
+        synchronous_warmup: bool = False,
     ) -> AveragingConfig:
         """Build a config from torch's ``{period: group_size}`` mapping.
 
@@ -197,6 +213,7 @@ class AveragingConfig:
             warmup_steps=int(warmup_steps) if is_int(warmup_steps) else warmup_steps,
             ranks_per_replica=int(ranks_per_replica) if is_int(ranks_per_replica) else ranks_per_replica,
             bucket_cap_mb=_as_float(bucket_cap_mb) if _is_real(bucket_cap_mb) else bucket_cap_mb,
+            synchronous_warmup=synchronous_warmup,
         )
 
     @property

@@ -61,8 +61,9 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
       parameters) among the ranks that hold the same shard.
 
     Which tensors are averaged: every parameter in the inner optimizer's
-    ``param_groups`` (each once, in order; a DTensor by its local shard), then the
-    floating-point tensors of ``buffers``. Optimizer state (momentum, Adam moments)
+    ``param_groups`` (each once, in order; a DTensor by its local shard) that has
+    ``requires_grad=True`` at that round (frozen ones are neither sent nor changed, unless
+    ``average_frozen=True``), then the floating-point tensors of ``buffers``. Optimizer state (momentum, Adam moments)
     is not averaged, as in torch. The averaged tensors must be the same tensor on every
     rank of an averaging group, and the ones the next step reads (see :mod:`hieravg_optim.checks`):
 
@@ -114,6 +115,16 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             optimizer with fp32 master weights: the masters, which the next step reads, e.g.
             ``lambda: [inner.state[p]["master_param"] for p in params]``. ``None`` (default):
             the parameters of ``param_groups``.
+        synchronous_warmup: Average at the top level after every warm-up step (counts
+            ``0 .. warmup_steps - 1``) instead of never, so that the warm-up is synchronous across
+            replicas (post-local SGD, https://arxiv.org/abs/1808.07217). ``False`` (default, as torch):
+            under DDP, its post-local SGD hook all-reduces the gradients globally during the warm-up.
+            Collective over the top-level subgroup at every warm-up step when ``True``.
+        average_frozen: Also average the parameters of ``param_groups`` whose ``requires_grad`` is
+            ``False``. ``False`` (default): they are skipped (not sent, not changed); which ones are
+            frozen is part of each round's agreement check, so ranks that disagree raise a
+            ``RuntimeError`` instead of averaging different tensors. Does not apply to the tensors
+            ``tensors_to_average`` returns.
 
     Raises:
         ValueError: for an invalid setting, naming it, before any averaging collective; at the
@@ -156,6 +167,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         buffers: Iterable[torch.Tensor] | None = None,
         log_metrics_every: int | None = None,
         tensors_to_average: Callable[[], Iterable[torch.Tensor]] | None = None,
+        synchronous_warmup: bool = False,
+        average_frozen: bool = False,
     ) -> None:
         try:
             if isinstance(optimizer, HierarchicalAveragingOptimizer):
@@ -170,7 +183,12 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
                 warmup_steps=warmup_steps,
                 ranks_per_replica=ranks_per_replica,
                 bucket_cap_mb=bucket_cap_mb,
+                synchronous_warmup=synchronous_warmup,
             )
+            if not isinstance(average_frozen, bool):
+                raise ValueError(
+                    f"average_frozen must be True or False, got {average_frozen!r} ({type(average_frozen).__name__})."
+                )
             if isinstance(buffers, torch.Tensor):
                 raise TypeError("buffers must be an iterable of tensors, e.g. model.buffers(), got a single Tensor.")
             check_log_metrics_every(log_metrics_every)
@@ -190,6 +208,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.buffers = [b for b in (() if buffers is None else buffers) if b.is_floating_point()]
         self._tensors_fn = tensors_to_average
+        self.average_frozen = average_frozen
+        """Whether parameters with ``requires_grad=False`` are averaged too (else skipped)."""
         # The parameters this wrapper averages, by identity (the references keep the ids unique).
         self._given: dict[int, torch.Tensor] = {id(p): p for _, _, p in params}
         self._masters_checked = tensors_to_average is not None
@@ -260,13 +280,17 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     def tensors_to_average(self) -> list[torch.Tensor]:
         """This rank's tensors to average, in order: the parameters of ``param_groups``, then the buffers.
 
-        With the constructor's ``tensors_to_average``, the tensors it returns instead of the
-        parameters. The list is the same on every rank whose model and parameter groups are
+        Parameters with ``requires_grad=False`` are left out unless ``average_frozen``. With the
+        constructor's ``tensors_to_average``, the tensors it returns instead of the parameters. The list is the same on every rank whose model and parameter groups are
         built the same way; it never depends on ``.grad``.
         """
         if self._tensors_fn is not None:
             return [local_tensor(t) for t in self._tensors_fn()] + [local_tensor(b) for b in self.buffers]
-        params = [local_tensor(p) for _, _, p in unique_params(self.optimizer.param_groups)]
+        params = [
+            local_tensor(p)
+            for _, _, p in unique_params(self.optimizer.param_groups)
+            if self.average_frozen or p.requires_grad
+        ]
         return params + [local_tensor(b) for b in self.buffers]
 
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
@@ -315,7 +339,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         loss = inner_step(
             self.optimizer, closure, getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         )
-        self.averager.step_and_average(self.tensors_to_average, check=self._round_error)
+        self.averager.step_and_average(self.tensors_to_average, check=self._round_error, context=self._frozen_context)
         return loss
 
     def _round_error(self) -> BaseException | None:
@@ -331,6 +355,16 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             self._masters_checked = True
             error = master_copy_error(self.optimizer, type(self).__name__)
         return error
+
+    def _frozen_context(self) -> dict[str, object]:
+        """What the ranks of a round agree on besides the tensors: the frozen parameters they skip.
+
+        Indices into ``param_groups`` (each parameter once, in order); empty when nothing is skipped.
+        """
+        if self.average_frozen or self._tensors_fn is not None:
+            return {}
+        frozen = [i for i, (_, _, p) in enumerate(unique_params(self.optimizer.param_groups)) if not p.requires_grad]
+        return {"skipped frozen parameters (requires_grad=False, index in param_groups)": frozen}
 
     def initialize_state(self) -> None:
         """Create the inner optimizer's state (Adam moments, momentum buffers) without a step.

@@ -51,6 +51,7 @@ INVALID = [
     ({"period_group_size": {4: 8}, "bucket_cap_mb": True}, 8, r"bucket_cap_mb .*got True"),
     ({"period_group_size": {4: 8}, "bucket_cap_mb": math.nan}, 8, r"bucket_cap_mb .*got nan"),
     ({"period_group_size": {4: 8}, "bucket_cap_mb": math.inf}, 8, r"bucket_cap_mb .*got inf"),
+    ({"period_group_size": {4: 8}, "synchronous_warmup": 1}, 8, r"synchronous_warmup must be True or False, got 1"),
 ]  # fmt: skip
 
 

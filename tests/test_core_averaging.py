@@ -173,7 +173,8 @@ def _scenario_views(rank: int) -> dict:
 
     flat, views = make()
     ptrs = [v.data_ptr() for v in views]
-    opt = HierarchicalAveragingOptimizer(torch.optim.SGD(views, lr=0.1), {1: WORLD})
+    # Views of a plain buffer have requires_grad=False: averaged as frozen tensors only when asked.
+    opt = HierarchicalAveragingOptimizer(torch.optim.SGD(views, lr=0.1), {1: WORLD}, average_frozen=True)
     opt.step()  # count 0: top level; .grad is None everywhere, the views are still averaged
     assert torch.equal(flat, expected), flat
     assert [v.data_ptr() for v in views] == ptrs

@@ -197,7 +197,8 @@ def _averaging_case(rank, name, stage, prec, gas, extra):
     """Averaging at count 2 (warmup 1, period 2): exact means of the replicas' master weights."""
     import hieravg_optim.deepspeed as hds
 
-    section = {"period_group_size": {"2": WORLD}, "warmup_steps": 1, "ranks_per_replica": S}
+    # A local warm-up, so that the replicas differ before the round checked here.
+    section = {"period_group_size": {"2": WORLD}, "warmup_steps": 1, "ranks_per_replica": S, "synchronous_warmup": False}
     model = _model()
     engine, _, _, _ = hds.initialize(
         model=model, optimizer=_client_optimizer(model), config=_config(stage, prec, gas, section, extra)
@@ -237,7 +238,8 @@ def _parity_case(rank, name, stage, prec, client_scheduler):
     import hieravg_optim.deepspeed as hds
 
     results = {}
-    never = {"period_group_size": {"1000000": WORLD}, "warmup_steps": 1, "ranks_per_replica": S}
+    never = {"period_group_size": {"1000000": WORLD}, "warmup_steps": 1, "ranks_per_replica": S,
+             "synchronous_warmup": False}  # fmt: skip
     runs = {}
     for label in ("ours", "plain"):
         model = _model()
@@ -421,6 +423,64 @@ def _config_missing_on_some_ranks_case(rank):
     return out
 
 
+def _synchronous_warmup_case(rank, stage):
+    """The default synchronous warm-up: replicas seeded differently, different data, identical after each warm-up step."""
+    import torch
+
+    import hieravg_optim.deepspeed as hds
+
+    section = {"period_group_size": {"1000": WORLD}, "warmup_steps": 3, "ranks_per_replica": S}
+    model = _model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(rank // S)  # replica 1 starts elsewhere; the engine starts it from replica 0's weights
+    engine, _, _, _ = hds.initialize(model=model, optimizer=_client_optimizer(model), config=_config(stage, "fp32", 1, section))
+    identical = [_all_equal(_gather(_full_module(engine)))]
+    for step in range(4):  # counts 0..2: warm-up; count 3: a local step
+        _micro_step(engine, rank, step)
+        identical.append(_all_equal(_gather(_full_module(engine))) and _all_equal(_gather(_full_masters(engine))))
+    state = hds.get_averaging(engine)
+    return {"identical": identical, "rounds": state.metrics()[1000]["rounds"], "count": state.step}
+
+
+def _frozen_case(rank, stage, average_frozen):
+    """A frozen Linear (in the client optimizer's groups): skipped by default, averaged with "average_frozen"."""
+    import torch
+
+    import hieravg_optim.deepspeed as hds
+
+    section = {"period_group_size": {"2": WORLD}, "ranks_per_replica": S}
+    if average_frozen:
+        section["average_frozen"] = True
+    model = _model()
+    frozen = model[0].weight  # 16 x 8
+    frozen.requires_grad_(False)
+    with torch.no_grad():
+        frozen.add_(rank // S)  # replica 1's frozen weight differs until the engine broadcasts replica 0's
+    expected_start = _model()[0].weight.detach().clone()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    engine, _, _, _ = hds.initialize(model=model, optimizer=optimizer, config=_config(stage, "fp32", 1, section))
+    state = hds.get_averaging(engine)
+    start_is_replica_0 = torch.equal(frozen, expected_start)
+    masters = state.master_tensors()
+    with torch.no_grad():
+        frozen.fill_(rank)
+        for t in masters:
+            t.fill_(rank)
+    state.average_now(-1)
+    shard_mean = float(rank % S + 1)  # ranks s and s + S average
+    frozen_value = shard_mean if average_frozen else float(rank)
+    return {
+        "kind": state.kind,
+        "start_is_replica_0": start_is_replica_0,
+        "frozen_exact": torch.equal(frozen, torch.full_like(frozen, frozen_value)),
+        "masters_mean": all(torch.equal(t, torch.full_like(t, shard_mean)) for t in masters),
+        "payload_bytes": state.metrics()[2]["payload_bytes"],
+        "expected_bytes": 4 * (sum(t.numel() for t in masters) + (frozen.numel() if average_frozen else 0)),
+        "masters_exclude_frozen": sum(t.numel() for t in masters) < sum(p.numel() for p in model.parameters()),
+    }
+
+
 def _all_scenarios(rank, world_size, folder):
     import torch
 
@@ -449,6 +509,10 @@ def _all_scenarios(rank, world_size, folder):
         "zero2_bf16": _checkpoint_case(rank, "z2", 2, "bf16", os.path.join(folder, "z2")),
         "zero3_fp32": _checkpoint_case(rank, "z3", 3, "fp32", os.path.join(folder, "z3")),
         "zero0_fp32": _checkpoint_case(rank, "z0", 0, "fp32", os.path.join(folder, "z0")),
+    }
+    results["synchronous_warmup"] = {f"zero{stage}": _synchronous_warmup_case(rank, stage) for stage in (1, 3)}
+    results["frozen"] = {
+        f"zero{stage}_average_frozen={flag}": _frozen_case(rank, stage, flag) for stage in (0, 1) for flag in (False, True)
     }
     return results
 
@@ -549,6 +613,28 @@ def test_checkpoint_resume_equals_uninterrupted(results, case):
         assert r["loaded_from"].startswith(f"replica_{rank // S}"), r
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_warmup_is_synchronous_across_replicas(results, stage):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["synchronous_warmup"][f"zero{stage}"]
+        # At construction (replica 0's weights), after counts 0-2 (warm-up), and not after the local count 3.
+        assert r["identical"] == [True, True, True, True, False], (rank, stage, r)
+        assert r["rounds"] == 3 and r["count"] == 4, r
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("average_frozen", [False, True])
+def test_frozen_parameters_are_skipped_unless_asked(results, stage, average_frozen):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["frozen"][f"zero{stage}_average_frozen={average_frozen}"]
+        assert r["kind"] == ("plain" if stage == 0 else "zero12"), r
+        assert r["start_is_replica_0"], f"rank {rank}: the frozen weight was not broadcast from replica 0"
+        assert r["frozen_exact"], (rank, r)
+        assert r["masters_mean"], (rank, r)
+        assert r["masters_exclude_frozen"], (rank, r)
+        assert r["payload_bytes"] == r["expected_bytes"], (rank, r)
+
+
 def test_training_data_is_sharded_over_all_ranks(results):
     samples = [per_rank["dataloader"]["samples"] for per_rank in results]
     assert all(per_rank["dataloader"]["loader_is_engines"] for per_rank in results)
@@ -616,6 +702,8 @@ BAD_SECTIONS = [
     ({"period_group_size": {"4": 4}, "warmup_steps": -1}, '"warmup_steps"'),
     ({"period_group_size": {"4": 4}, "warmup_steps": True}, '"warmup_steps"'),
     ({"period_group_size": {"4": 4}, "warmup_steps": 1.5}, '"warmup_steps"'),
+    ({"period_group_size": {"4": 4}, "synchronous_warmup": "yes"}, '"synchronous_warmup" must be true or false'),
+    ({"period_group_size": {"4": 4}, "average_frozen": 1}, '"average_frozen" must be true or false'),
     ({"period_group_size": {"4": 4}, "ranks_per_replica": 0}, '"ranks_per_replica"'),
     ({"period_group_size": {"4": 4}, "ranks_per_replica": "node"}, '"ranks_per_replica"'),
     ({"period_group_size": {"4": 4}, "ranks_per_replica": 2.0}, '"ranks_per_replica"'),

@@ -115,14 +115,15 @@ def _averaging_scenarios(rank: int, world_size: int) -> dict:
     for config in CONFIGS:
         model = _shard(config, mesh)
         opt = FSDPHierarchicalAveragingOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=0.05), model, mesh, LEVELS, warmup_steps=3
+            torch.optim.AdamW(model.parameters(), lr=0.05), model, mesh, LEVELS, warmup_steps=3,
+            synchronous_warmup=False,
         )
         # The same replica trained by plain FSDP + AdamW (no averaging), over the same shard group and data.
         plain = _shard(config, mesh)
         plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.05)
         assert opt.fsdp_version == (1 if config.startswith("fsdp1") else 2)
 
-        # Counts 0..2: local steps only (warm-up).
+        # Counts 0..2: local steps only (warm-up without synchronous_warmup).
         for step in range(3):
             _train_step(model, opt, rank, step)
             _train_step(plain, plain_opt, rank, step)

@@ -92,6 +92,13 @@ class DeepSpeedAveraging:
     other replicas (with the master weights, in the same collective), then within the
     replica (one more all-reduce over the replica, of the buffers only, not counted in
     :meth:`metrics`). Buffers are never partitioned by ZeRO, so this holds for stages 0-3.
+    Frozen parameters (``requires_grad=False``): DeepSpeed keeps no master weights for them
+    (its optimizers drop them from their groups), so they are not averaged, and under ZeRO-0 with
+    fp32 (where the master weights are the client optimizer's ``param_groups``) they are skipped.
+    With ``average_frozen=True`` the module's frozen parameters are averaged too, in their own
+    dtype (ZeRO-0, 1 and 2, where every rank holds them whole). At construction they are
+    broadcast from replica 0 with the master weights whatever ``average_frozen`` says, except
+    under ZeRO-3 (partitioned: not broadcast, never averaged).
 
     Args:
         engine: The DeepSpeed engine, built with ``mpu``.
@@ -102,6 +109,13 @@ class DeepSpeedAveraging:
             its own check and agreement collective.
         average_buffers: Average the floating-point buffers of ``engine.module`` as described above;
             ``False`` leaves them as DeepSpeed does (local to each rank).
+        average_frozen: Also average the module's parameters with ``requires_grad=False`` (the
+            section's ``"average_frozen"``); ``False`` (default) leaves them untouched and unsent.
+
+    Raises:
+        NotImplementedError: for ``average_frozen=True`` under ZeRO-3 with a frozen parameter in the
+            module (on every rank: the model is the same on all), or for CPU master weights over a
+            backend that cannot all-reduce them.
 
     .. warning::
         With ``average_buffers``, the constructor is collective over the default process group (the
@@ -116,11 +130,20 @@ class DeepSpeedAveraging:
         *,
         agreed: bool = False,
         average_buffers: bool = False,
+        average_frozen: bool = False,
     ) -> None:
         self.engine = engine
         self.config = config
         self.mpu = mpu
         self.kind = _optimizer_kind(engine.optimizer)
+        self.average_frozen = average_frozen
+        """Whether the module's frozen parameters (``requires_grad=False``) are averaged too."""
+        if average_frozen and self.kind == "zero3" and any(not p.requires_grad for p in engine.module.parameters()):
+            raise NotImplementedError(
+                '"average_frozen": true is not supported under ZeRO-3, which partitions the frozen parameters '
+                'outside its optimizer. Set "average_frozen": false (frozen parameters stay as loaded), or use '
+                "ZeRO stage 0-2."
+            )
         backend = str(dist.get_backend())
         if "gloo" not in backend and any(t.device.type == "cpu" for t in self.master_tensors()):
             raise NotImplementedError(
@@ -172,10 +195,31 @@ class DeepSpeedAveraging:
         out = []
         for group in opt.param_groups:
             for p in group["params"]:
-                if id(p) not in seen:
+                if id(p) not in seen and p.requires_grad:  # frozen ones: see frozen_module_tensors()
                     seen.add(id(p))
                     out.append(p.detach())
         return out
+
+    def frozen_module_tensors(self) -> list[torch.Tensor]:
+        """The module's parameters with ``requires_grad=False``, each once, in module order; none under ZeRO-3.
+
+        DeepSpeed's optimizers keep no master weights for them; under ZeRO-0, 1 and 2 every rank
+        holds them whole, so each rank averages (or receives) the whole tensor in place.
+        """
+        if self.kind == "zero3":
+            return []
+        return [p.detach() for p in self.engine.module.parameters() if not p.requires_grad]
+
+    def tensors_to_average(self) -> list[torch.Tensor]:
+        """What a round averages, in one collective per level: :meth:`master_tensors`, then, with
+        ``average_frozen``, :meth:`frozen_module_tensors`, then, with ``average_buffers``, :attr:`buffers`."""
+        frozen = self.frozen_module_tensors() if self.average_frozen else []
+        return self.master_tensors() + frozen + self.buffers
+
+    def _frozen_context(self) -> dict[str, object]:
+        """What the ranks of an averaging group agree on besides the tensors: which parameters are frozen."""
+        frozen = [i for i, p in enumerate(self.engine.module.parameters()) if not p.requires_grad]
+        return {"frozen module parameters (requires_grad=False, index in module.parameters())": frozen}
 
     @torch.no_grad()
     def push_to_module(self) -> None:
@@ -219,16 +263,12 @@ class DeepSpeedAveraging:
         Returns:
             The index of the level that averaged, or ``None``.
         """
-        index = self.averager.step_and_average(self._tensors_to_average)
+        index = self.averager.step_and_average(self.tensors_to_average, context=self._frozen_context)
         if index is not None:
             if self.averager.level_groups[index].group is not None:
                 self.push_to_module()
             self._average_buffers_in_replica()
         return index
-
-    def _tensors_to_average(self) -> list[torch.Tensor]:
-        """The master weights, then the buffers (if averaged): one collective at each level."""
-        return self.master_tensors() + self.buffers
 
     @torch.no_grad()
     def _average_buffers_in_replica(self) -> None:
@@ -257,23 +297,23 @@ class DeepSpeedAveraging:
         .. warning::
             Collective over this rank's subgroup at that level and over its replica.
         """
-        self.averager.average(level_index, self._tensors_to_average())
+        self.averager.average(level_index, self.tensors_to_average(), context=self._frozen_context())
         if self.averager.level_groups[level_index].group is not None:
             self.push_to_module()
         self._average_buffers_in_replica()
 
     @torch.no_grad()
     def broadcast_from_first_replica(self) -> None:
-        """Make every replica start from replica 0's master weights (as DDP broadcasts from rank 0).
+        """Make every replica start from replica 0's weights (as DDP broadcasts from rank 0).
+
+        Broadcasts the master weights and the frozen parameters (:meth:`frozen_module_tensors`) with
+        :meth:`HierarchicalAverager.broadcast_from_first_replica <hieravg_optim.HierarchicalAverager.broadcast_from_first_replica>`,
+        then pushes the masters into the module.
 
         .. warning::
             Collective over the default process group.
         """
-        top = self.averager.level_groups[-1]
-        if top.group is not None:
-            for t in self.master_tensors():
-                hand_over(t)
-                dist.broadcast(t, src=top.ranks[0], group=top.group)
+        self.averager.broadcast_from_first_replica(self.master_tensors() + self.frozen_module_tensors())
         self.push_to_module()
 
     def state_dict(self) -> dict[str, Any]:

@@ -82,6 +82,13 @@ def initialize(
       :class:`~hieravg_optim.deepspeed.DeepSpeedAveraging`). On by default because DDP keeps
       buffers equal on every rank and plain DeepSpeed leaves them different on every rank;
       false keeps them local to each rank, as DeepSpeed does.
+    * ``synchronous_warmup`` (default true): during the warm-up, average all replicas after every
+      engine optimizer step (one top-level round per step), so that the warm-up is synchronous
+      across replicas as in post-local SGD; false: warm-up steps never average (the replicas
+      train apart until ``warmup_steps``).
+    * ``average_frozen`` (default false): also average the module's parameters with
+      ``requires_grad=False`` (ZeRO 0-2; ZeRO-3 with a frozen parameter raises
+      ``NotImplementedError``); false: they are never sent and never changed by averaging.
     * ``enabled`` (default true): false ignores the section.
 
     The section is removed before the config reaches DeepSpeed. The batch size keys then
@@ -165,6 +172,7 @@ def initialize(
         training_data,
         collate_fn,
         average_buffers=local.average_buffers,
+        average_frozen=local.settings.average_frozen,
     )
 
 
@@ -275,7 +283,11 @@ def _agree(local: _Local) -> None:
             check_world_size(local.settings, local.averaging_config, dist.get_world_size())
         except ValueError as exc:
             error = exc
-        value: object = {**asdict(local.averaging_config), "average_buffers": local.average_buffers}
+        value: object = {
+            **asdict(local.averaging_config),
+            "average_buffers": local.average_buffers,
+            "average_frozen": local.settings.average_frozen,
+        }
     else:
         value = "disabled" if local.loaded is not None else "no config"
     agree_across_ranks(_AGREEMENT, value, None, error=error, fix=_AGREEMENT_FIX)
@@ -313,6 +325,7 @@ def _initialize_with_averaging(
     collate_fn: Callable | None,
     *,
     average_buffers: bool,
+    average_frozen: bool,
 ):
     """The engine over the replica mpu, with the averaging attached; every replica starts from replica 0."""
     rpr = averaging_config.ranks_per_replica
@@ -323,7 +336,14 @@ def _initialize_with_averaging(
     assert engine.optimizer is not None, "DeepSpeed built no optimizer although one was given"
     dataloader = _shard_over_world(engine, dataloader, training_data, collate_fn)
     # Checked against the world size and agreed on in _agree: the averager's own agreement would repeat it.
-    state = DeepSpeedAveraging(engine, averaging_config, replica_mpu, agreed=True, average_buffers=average_buffers)
+    state = DeepSpeedAveraging(
+        engine,
+        averaging_config,
+        replica_mpu,
+        agreed=True,
+        average_buffers=average_buffers,
+        average_frozen=average_frozen,
+    )
     state.broadcast_from_first_replica()
     attach(engine, state)
     if state.kind == "zero3":

@@ -28,7 +28,16 @@ __all__ = [
 SECTION = "hierarchical_averaging"
 """The top-level key of the DeepSpeed config this adapter reads (and removes before DeepSpeed sees it)."""
 
-_KEYS = ("enabled", "period_group_size", "warmup_steps", "ranks_per_replica", "bucket_cap_mb", "average_buffers")
+_KEYS = (
+    "enabled",
+    "period_group_size",
+    "warmup_steps",
+    "ranks_per_replica",
+    "bucket_cap_mb",
+    "synchronous_warmup",
+    "average_frozen",
+    "average_buffers",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +54,10 @@ class SectionSettings:
     """Consecutive ranks forming one DeepSpeed data-parallel group; ``None`` = ``"auto"`` (one node)."""
     bucket_cap_mb: float
     """Communication bucket size, in MB (10**6 bytes)."""
+    synchronous_warmup: bool = True
+    """Average all replicas after every warm-up step (default ``true``), as post-local SGD's synchronous warm-up."""
+    average_frozen: bool = False
+    """Average the module's ``requires_grad=False`` parameters too (default ``false``: never sent, never changed)."""
     average_buffers: bool = True
     """Average the module's floating-point buffers (BatchNorm running statistics) on the same schedule."""
 
@@ -56,6 +69,7 @@ class SectionSettings:
                 warmup_steps=self.warmup_steps,
                 ranks_per_replica=ranks_per_replica,
                 bucket_cap_mb=self.bucket_cap_mb,
+                synchronous_warmup=self.synchronous_warmup,
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f'DeepSpeed config section "{SECTION}": {err}') from None
@@ -116,16 +130,18 @@ def parse_section(section: Any) -> SectionSettings:
     cap = section.get("bucket_cap_mb", 25.0)
     if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0:
         raise _bad("bucket_cap_mb", cap, "a positive number (MB)")
-    average_buffers = section.get("average_buffers", True)
-    if not isinstance(average_buffers, bool):
-        raise _bad("average_buffers", average_buffers, "true or false")
+    flags = {}
+    for key, default in (("synchronous_warmup", True), ("average_frozen", False), ("average_buffers", True)):
+        flags[key] = section.get(key, default)
+        if not isinstance(flags[key], bool):
+            raise _bad(key, flags[key], "true or false")
     settings = SectionSettings(
         enabled=enabled,
         period_group_size=dict(pgs),
         warmup_steps=int(warmup),
         ranks_per_replica=rpr_value,
         bucket_cap_mb=float(cap),
-        average_buffers=average_buffers,
+        **flags,
     )
     if enabled:
         # Everything about the levels that needs no world size (periods, group sizes, order).

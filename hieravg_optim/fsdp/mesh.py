@@ -167,7 +167,9 @@ def shard_replica(
     .. warning:: Collective over this rank's ``"shard"`` group (FSDP's initialisation is).
 
     Args:
-        module: The model, with the same initial weights on every rank.
+        module: The model, with the same initial weights on every rank of the replica
+            (:class:`~hieravg_optim.fsdp.FSDPHierarchicalAveragingOptimizer` then starts every replica
+            from replica 0's).
         mesh: A ``(replicate, shard)`` mesh (see :func:`check_replicate_shard_mesh`).
         fsdp_version: 1 for ``FullyShardedDataParallel``, 2 for ``fully_shard``.
         submodules: FSDP2 only: modules to ``fully_shard`` first, bottom-up (e.g. transformer blocks);

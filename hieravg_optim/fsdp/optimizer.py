@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from ..agreement import raise_on_every_rank
+from ..averager import local_tensor
 from ..optimizer import HierarchicalAveragingOptimizer
 from ..schedule import AveragingLevel
 from .mesh import HSDP_FIX, REPLICATE_DIM, SHARD_DIM, check_fsdp1_strategy, check_replicate_shard_mesh
@@ -63,8 +64,27 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         module: The FSDP1-wrapped module or the FSDP2-sharded module.
         mesh: The ``(replicate, shard)`` mesh the replicas are sharded over.
         period_group_size_dict: ``{period: group_size}`` in steps and ranks, e.g. ``{4: 2 * S, 32: W}``.
-        warmup_steps: Steps that never average (post-local SGD's warm-up).
+        warmup_steps: Warm-up steps (counts ``0 .. warmup_steps - 1``) of post-local SGD.
         bucket_cap_mb: Bucket size, in MB (10**6 bytes).
+        synchronous_warmup: ``True`` (default): average all replicas (the top level) after every
+            warm-up step, so that the warm-up is synchronous across replicas as post-local SGD
+            (https://arxiv.org/abs/1808.07217) prescribes; FSDP reduces gradients only within a
+            replica. ``False``: warm-up steps never average, and the replicas train apart until
+            ``warmup_steps``.
+        average_frozen: Also average parameters with ``requires_grad=False``. ``False`` (default):
+            an FSDP2 parameter, or an FSDP1 flat parameter all of whose optimizer parameters are
+            frozen, is skipped (not sent, not changed). An FSDP1 flat parameter with
+            ``use_orig_params=True`` that mixes frozen and trainable parameters is averaged whole
+            (the frozen elements, the same on every replica, stay equal up to rounding): put frozen
+            modules in their own FSDP unit to skip them.
+
+    At construction, every replica's local shards (all FSDP1 flat parameters of the module, or
+    all FSDP2 parameters, frozen ones included) are overwritten with those of replica 0, as
+    :func:`hieravg_optim.deepspeed.initialize` does and as DDP broadcasts from rank 0, so that
+    replicas seeded differently start from the same weights (see
+    :meth:`~hieravg_optim.HierarchicalAverager.broadcast_from_first_replica`). Build the optimizer
+    before loading a checkpoint into the module (:func:`~hieravg_optim.fsdp.load_checkpoint` loads
+    both): weights loaded before construction are replaced by replica 0's on the other replicas.
 
     Raises:
         TypeError: if ``module`` is not sharded with FSDP, or ``mesh`` is not a ``DeviceMesh``; if an
@@ -75,7 +95,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             ranks than this rank's mesh row, an optimizer parameter FSDP does not manage, or a bad schedule.
         NotImplementedError: for FSDP1's NO_SHARD.
         RuntimeError: if the ranks disagree (one rank's validation failed: every rank raises, in the
-            constructor's one agreement collective).
+            constructor's one agreement collective), or the ranks holding the same shard hold local
+            shards of different shapes or dtypes (checked before replica 0's are broadcast).
 
     Example::
 
@@ -94,12 +115,14 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         warmup_steps: int = 0,
         *,
         bucket_cap_mb: float = 25.0,
+        synchronous_warmup: bool = True,
+        average_frozen: bool = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group() first.")
         try:
             _, shards = check_replicate_shard_mesh(mesh)
-            self._fsdp_version, self._flat_params = _validate_module(module, optimizer, mesh)
+            self._fsdp_version, self._flat_params, self._flat_members = _validate_module(module, optimizer, mesh)
         except (TypeError, ValueError, NotImplementedError) as exc:
             # Raised here; the other ranks raise a RuntimeError naming this rank in the agreement of the
             # averager they are about to build (the constructor's one agreement collective).
@@ -113,7 +136,10 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             None,
             ranks_per_replica=shards,
             bucket_cap_mb=bucket_cap_mb,
+            synchronous_warmup=synchronous_warmup,
+            average_frozen=average_frozen,
         )
+        self.averager.broadcast_from_first_replica(self._module_shards())
         if dist.get_rank() == 0:
             logger.info(
                 "FSDP%d hierarchical averaging: %d replicas x %d shards, %d optimizer parameters",
@@ -133,11 +159,31 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         """This rank's coordinate on the ``"replicate"`` dimension."""
         return int(self.mesh.get_local_rank(REPLICATE_DIM))
 
+    def _module_shards(self) -> list[torch.Tensor]:
+        """This rank's local shards of every parameter of the module, frozen ones included, in order."""
+        if self._fsdp_version == 1:
+            return [_local_flat_shard(u._handle.flat_param) for u in _fsdp1_units(self.module)]
+        return [local_tensor(p) for p in self.module.parameters()]
+
+    def _frozen_context(self) -> dict[str, object]:
+        if self._fsdp_version == 2:
+            return super()._frozen_context()
+        if self.average_frozen:
+            return {}
+        frozen = [i for i, flat in enumerate(self._flat_params) if not self._trainable(flat)]
+        return {"skipped frozen FSDP flat parameters (requires_grad=False, index)": frozen}
+
+    def _trainable(self, flat: nn.Parameter) -> bool:
+        """Whether any optimizer parameter held by FSDP1 flat parameter ``flat`` has ``requires_grad``."""
+        return any(p.requires_grad for p in self._flat_members[id(flat)])
+
     def tensors_to_average(self) -> list[torch.Tensor]:
         """This rank's local shards to average, in order (the same shapes on every same-shard rank).
 
         FSDP1: the local flat-parameter shards of the FSDP units holding optimizer parameters.
-        FSDP2: the ``to_local()`` shards of the optimizer's parameters.
+        FSDP2: the ``to_local()`` shards of the optimizer's parameters. Without ``average_frozen``,
+        frozen parameters (FSDP1: flat parameters whose optimizer parameters are all frozen) are
+        left out.
 
         Raises:
             RuntimeError: for FSDP1 if a flat parameter is not sharded now (inside forward or
@@ -145,18 +191,28 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         """
         if self._fsdp_version == 2:
             return super().tensors_to_average()
-        out = []
-        for flat in self._flat_params:
-            # Before FSDP's lazy initialisation (first forward) there is no _local_shard yet: the flat
-            # parameter then is the local shard itself.
-            local = getattr(flat, "_local_shard", None)
-            if local is not None and flat.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
-                raise RuntimeError(
-                    "An FSDP flat parameter is not in its sharded state: call step() after backward(), outside "
-                    "forward and summon_full_params(), so that the local fp32 shards are averaged."
-                )
-            out.append(flat.detach())
-        return out
+        return [
+            _local_flat_shard(flat)
+            for flat in self._flat_params
+            if self.average_frozen or self._trainable(flat)
+        ]
+
+
+def _local_flat_shard(flat: nn.Parameter) -> torch.Tensor:
+    """The local shard of an FSDP1 flat parameter, detached (its own storage).
+
+    Raises:
+        RuntimeError: if the flat parameter is not sharded now (inside forward or ``summon_full_params``).
+    """
+    # Before FSDP's lazy initialisation (first forward) there is no _local_shard yet: the flat
+    # parameter then is the local shard itself.
+    local = getattr(flat, "_local_shard", None)
+    if local is not None and flat.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
+        raise RuntimeError(
+            "An FSDP flat parameter is not in its sharded state: call step() after backward(), outside "
+            "forward and summon_full_params(), so that the local fp32 shards are averaged."
+        )
+    return flat.detach()
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
@@ -171,8 +227,13 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]
 
 def _validate_module(
     module: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh
-) -> tuple[int, list[nn.Parameter]]:
-    """Check how ``module`` is sharded; return the FSDP version and, for FSDP1, the flat parameters to average."""
+) -> tuple[int, list[nn.Parameter], dict[int, list[nn.Parameter]]]:
+    """Check how ``module`` is sharded.
+
+    Returns:
+        The FSDP version and, for FSDP1, the flat parameters to average and, by ``id`` of each, the
+        optimizer parameters it holds (itself with ``use_orig_params=False``).
+    """
     if not hasattr(optimizer, "param_groups"):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
     row = _row_ranks(mesh)
@@ -197,7 +258,7 @@ def _validate_module(
             owner[id(flat)] = flat
             for orig in getattr(flat, "_params", None) or ():
                 owner[id(orig)] = flat
-        chosen: dict[int, nn.Parameter] = {}
+        chosen: dict[int, list[nn.Parameter]] = {}
         for p in params:
             flat = owner.get(id(p))
             if flat is None:
@@ -206,9 +267,9 @@ def _validate_module(
                     "reduced within the replica. Wrap the whole module with FSDP (shard_replica) and build the "
                     "optimizer from the wrapped module's parameters()."
                 )
-            chosen[id(flat)] = flat
+            chosen.setdefault(id(flat), []).append(p)
         flats = [u._handle.flat_param for u in units if id(u._handle.flat_param) in chosen]
-        return 1, flats
+        return 1, flats, chosen
     _check_no_unsharded_fsdp2_params(module, params)
     if not dtensor_params:
         raise TypeError(
@@ -240,7 +301,7 @@ def _validate_module(
                 f"A DTensor parameter of shape {tuple(p.shape)} is sharded over ranks {p_ranks}, but this rank's "
                 f"replica (mesh row) is {row}. {HSDP_FIX}"
             )
-    return 2, []
+    return 2, [], {}
 
 
 def _check_no_unsharded_fsdp2_params(module: nn.Module, params: list[torch.Tensor]) -> None:
