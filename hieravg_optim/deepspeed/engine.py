@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .._handover import hand_over
 from ..averager import HierarchicalAverager
 from ..config import AveragingConfig
+from ..faults import named_collective
 from .checkpoint import wrap_checkpoints
 from .mpu import ReplicaParallelUnit
 
@@ -214,9 +215,14 @@ class DeepSpeedAveraging:
         """
         top = self.averager.level_groups[-1]
         if top.group is not None:
-            for t in self.master_tensors():
-                hand_over(t)
-                dist.broadcast(t, src=top.ranks[0], group=top.group)
+            with named_collective(
+                f"the broadcast of replica 0's weights at step {self.averager.step}",
+                top.ranks,
+                timeout_s=self.averager._timeout_s(top),
+            ):
+                for t in self.master_tensors():
+                    hand_over(t)
+                    dist.broadcast(t, src=top.ranks[0], group=top.group)
         self.push_to_module()
 
     def state_dict(self) -> dict[str, Any]:

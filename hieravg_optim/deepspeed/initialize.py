@@ -74,6 +74,11 @@ def initialize(
       ``LOCAL_SIZE``, the ranks of one node): consecutive ranks that form one DeepSpeed
       data-parallel group (gradients reduced every step, ZeRO partitions within it).
     * ``bucket_cap_mb`` (default 25): communication bucket size, in MB.
+    * ``collective_timeout_s`` (default null: the default group's timeout): timeout of the averaging
+      subgroups' collectives, in seconds; a hung peer is reported after it (see ``docs/faults.md``).
+    * ``nonfinite`` (default ``"raise"``): ``"raise"``, ``"skip_replica"`` or ``"ignore"``, what a
+      round does when a replica's master weights hold a NaN or an infinity (see
+      :class:`~hieravg_optim.HierarchicalAveragingOptimizer`).
     * ``enabled`` (default true): false ignores the section.
 
     The section is removed before the config reaches DeepSpeed. The batch size keys then

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import AveragingConfig
+from ..config import NONFINITE_POLICIES, AveragingConfig, check_collective_timeout_s, check_nonfinite
 
 __all__ = [
     "SECTION",
@@ -28,7 +28,15 @@ __all__ = [
 SECTION = "hierarchical_averaging"
 """The top-level key of the DeepSpeed config this adapter reads (and removes before DeepSpeed sees it)."""
 
-_KEYS = ("enabled", "period_group_size", "warmup_steps", "ranks_per_replica", "bucket_cap_mb")
+_KEYS = (
+    "enabled",
+    "period_group_size",
+    "warmup_steps",
+    "ranks_per_replica",
+    "bucket_cap_mb",
+    "collective_timeout_s",
+    "nonfinite",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +53,10 @@ class SectionSettings:
     """Consecutive ranks forming one DeepSpeed data-parallel group; ``None`` = ``"auto"`` (one node)."""
     bucket_cap_mb: float
     """Communication bucket size, in MB (10**6 bytes)."""
+    collective_timeout_s: float | None = None
+    """Timeout of the averaging subgroups' collectives, in seconds; ``None``: the default group's."""
+    nonfinite: str = "raise"
+    """``"raise"``, ``"skip_replica"`` or ``"ignore"``: what a round does with a non-finite replica."""
 
     def averaging_config(self, ranks_per_replica: int) -> AveragingConfig:
         """The core config, with ``ranks_per_replica`` resolved."""
@@ -54,6 +66,8 @@ class SectionSettings:
                 warmup_steps=self.warmup_steps,
                 ranks_per_replica=ranks_per_replica,
                 bucket_cap_mb=self.bucket_cap_mb,
+                collective_timeout_s=self.collective_timeout_s,
+                nonfinite=self.nonfinite,
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f'DeepSpeed config section "{SECTION}": {err}') from None
@@ -114,12 +128,24 @@ def parse_section(section: Any) -> SectionSettings:
     cap = section.get("bucket_cap_mb", 25.0)
     if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0:
         raise _bad("bucket_cap_mb", cap, "a positive number (MB)")
+    timeout = section.get("collective_timeout_s")
+    try:
+        check_collective_timeout_s(timeout)
+    except ValueError:
+        raise _bad("collective_timeout_s", timeout, "a positive number of seconds, or null for the default group's") from None
+    nonfinite = section.get("nonfinite", "raise")
+    try:
+        check_nonfinite(nonfinite)
+    except ValueError:
+        raise _bad("nonfinite", nonfinite, f"one of {list(NONFINITE_POLICIES)}") from None
     settings = SectionSettings(
         enabled=enabled,
         period_group_size=dict(pgs),
         warmup_steps=int(warmup),
         ranks_per_replica=rpr_value,
         bucket_cap_mb=float(cap),
+        collective_timeout_s=None if timeout is None else float(timeout),
+        nonfinite=nonfinite,
     )
     if enabled:
         # Everything about the levels that needs no world size (periods, group sizes, order).

@@ -65,6 +65,12 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         period_group_size_dict: ``{period: group_size}`` in steps and ranks, e.g. ``{4: 2 * S, 32: W}``.
         warmup_steps: Steps that never average (post-local SGD's warm-up).
         bucket_cap_mb: Bucket size, in MB (10**6 bytes).
+        collective_timeout_s: Timeout of the averaging subgroups' collectives, in seconds; ``None``: the
+            default group's. See :class:`~hieravg_optim.HierarchicalAveragingOptimizer`.
+        nonfinite: ``"raise"`` (default), ``"skip_replica"`` or ``"ignore"``: what a round does when a
+            replica's local shard holds a NaN or an infinity. See
+            :class:`~hieravg_optim.HierarchicalAveragingOptimizer`; the check is per averaging subgroup,
+            that is per shard index.
 
     Raises:
         TypeError: if ``module`` is not sharded with FSDP, or ``mesh`` is not a ``DeviceMesh``.
@@ -92,6 +98,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         warmup_steps: int = 0,
         *,
         bucket_cap_mb: float = 25.0,
+        collective_timeout_s: float | None = None,
+        nonfinite: str = "raise",
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group() first.")
@@ -111,6 +119,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             None,
             ranks_per_replica=shards,
             bucket_cap_mb=bucket_cap_mb,
+            collective_timeout_s=collective_timeout_s,
+            nonfinite=nonfinite,
         )
         if dist.get_rank() == 0:
             logger.info(
