@@ -103,6 +103,7 @@ def _run_fault(fault: str, victim: int, count: int, timeout_s: float) -> dict[in
 
 
 def _check_survivors(seen: dict[int, dict], rounds: dict[int, tuple[str, list[int]]], timeout_s: float) -> None:
+    print("delays after the fault, s:", {r: round(s["delay"], 2) for r, s in seen.items()})
     for r, (round_name, ranks) in rounds.items():
         s = seen[r]
         assert s["exitcode"] == 1, (r, s)
@@ -298,3 +299,19 @@ def test_has_nonfinite():
     assert has_nonfinite([big, torch.tensor([1.0, float("nan")])])
     assert has_nonfinite([torch.tensor([float("-inf")], dtype=torch.bfloat16)])
     assert not has_nonfinite([torch.arange(3)])  # integer tensors are never averaged
+
+
+def test_deepspeed_initialize_keywords_are_checked_before_any_collective():
+    """Without torch.distributed initialized, the keyword's error is raised as is, before DeepSpeed runs."""
+    import hieravg_optim.deepspeed as hds
+
+    model = nn.Linear(2, 2)
+    section = {"period_group_size": {"2": 4}, "ranks_per_replica": 1, "nonfinite": "ignore"}
+    config = {"train_micro_batch_size_per_gpu": 1, "hierarchical_averaging": section}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r'initialize\(nonfinite=\'raise\'\) differs from the "hierarchical_averaging"'):
+        hds.initialize(model=model, optimizer=opt, config=config, nonfinite="raise")
+    with pytest.raises(ValueError, match=r'key "collective_timeout_s" must be a positive number of seconds.*got 0'):
+        hds.initialize(model=model, optimizer=opt, config=config, collective_timeout_s=0)
+    with pytest.raises(ValueError, match=r"collective_timeout_s=5 given to initialize\(\), but the config has no enabled"):
+        hds.initialize(model=model, optimizer=opt, config={"train_micro_batch_size_per_gpu": 1}, collective_timeout_s=5)

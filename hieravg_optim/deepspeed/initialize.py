@@ -58,6 +58,9 @@ def initialize(
     config: str | os.PathLike | Mapping[str, Any] | None = None,
     mesh_param: Any = None,
     config_params: str | os.PathLike | Mapping[str, Any] | None = None,
+    *,
+    collective_timeout_s: float | None = None,
+    nonfinite: str | None = None,
 ):
     """:func:`deepspeed.initialize`, plus hierarchical averaging from the config's ``"hierarchical_averaging"``.
 
@@ -80,6 +83,10 @@ def initialize(
       round does when a replica's master weights hold a NaN or an infinity (see
       :class:`~hieravg_optim.HierarchicalAveragingOptimizer`).
     * ``enabled`` (default true): false ignores the section.
+
+    ``collective_timeout_s`` and ``nonfinite`` may also be passed as keywords (the section's meaning);
+    a keyword and a different value in the section are a ``ValueError``, and so is a keyword without
+    an enabled section.
 
     The section is removed before the config reaches DeepSpeed. The batch size keys then
     count one replica: ``train_batch_size = train_micro_batch_size_per_gpu x
@@ -130,7 +137,10 @@ def initialize(
         ds_kwargs["distributed_port"] = distributed_port
     source, from_args = _find_config(args, config, config_params)
     initialized = dist.is_available() and dist.is_initialized()
-    local = _check_locally(source, model, optimizer, mpu, mesh_param, initialized)
+    overrides = {
+        k: v for k, v in (("collective_timeout_s", collective_timeout_s), ("nonfinite", nonfinite)) if v is not None
+    }
+    local = _check_locally(source, model, optimizer, mpu, mesh_param, initialized, overrides)
     # Without any config DeepSpeed raises its own error; the agreement then only runs when another rank
     # may be waiting in it.
     if local.loaded is not None or initialized:
@@ -169,7 +179,15 @@ def _find_config(args: Any, config: Any, config_params: Any) -> tuple[Any, bool]
     return source, from_args
 
 
-def _check_locally(source: Any, model: Any, optimizer: Any, mpu: Any, mesh_param: Any, initialized: bool) -> _Local:
+def _check_locally(
+    source: Any,
+    model: Any,
+    optimizer: Any,
+    mpu: Any,
+    mesh_param: Any,
+    initialized: bool,
+    overrides: Mapping[str, Any] | None = None,
+) -> _Local:
     """Read the config, parse the section and check the arguments, on this rank alone.
 
     Where torch.distributed is already initialized, a failure on some ranks only (a missing config
@@ -187,16 +205,42 @@ def _check_locally(source: Any, model: Any, optimizer: Any, mpu: Any, mesh_param
             )
         local.loaded = load_config(source) if source is not None else None
         if local.loaded is not None and SECTION in local.loaded:
-            local.settings = parse_section(local.loaded[SECTION])
+            local.settings = _with_overrides(parse_section(local.loaded[SECTION]), local.loaded[SECTION], overrides)
             local.ds_config = {k: v for k, v in local.loaded.items() if k != SECTION}
             local.averaging_config = _local_averaging_config(
                 local.settings, local.ds_config, model, optimizer, mpu, mesh_param
+            )
+        if overrides and local.averaging_config is None:
+            raise ValueError(
+                f"{', '.join(f'{k}={v!r}' for k, v in overrides.items())} given to initialize(), but the config has no "
+                f'enabled "{SECTION}" section: add one with "period_group_size", or drop the keyword.'
             )
     except Exception as exc:  # noqa: BLE001 - raised on every rank
         if not initialized:
             raise
         raise_on_every_rank(exc, None, f'the DeepSpeed config and its "{SECTION}" section')
     return local
+
+
+def _with_overrides(
+    settings: SectionSettings, section: Mapping[str, Any], overrides: Mapping[str, Any] | None
+) -> SectionSettings:
+    """``settings`` with the keywords of :func:`initialize` that are given; a different value in the section is an error.
+
+    Raises:
+        ValueError: naming the key, for a keyword that is invalid or differs from the section's value.
+    """
+    if not overrides:
+        return settings
+    merged = dict(section)
+    for key, value in overrides.items():
+        if key in section and section[key] != value:
+            raise ValueError(
+                f'initialize({key}={value!r}) differs from the "{SECTION}" section\'s "{key}": {section[key]!r}. '
+                "Give it in one place."
+            )
+        merged[key] = value
+    return parse_section(merged)
 
 
 def _init_distributed(ds_kwargs: Mapping[str, Any]) -> None:
