@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ._handover import hand_over
 from .averaging import overlaps_itself
+from .faults import named_collective
 
 __all__ = [
     "agree_across_ranks",
@@ -62,7 +63,9 @@ def agree_across_ranks(
     mine = torch.tensor([digest(value), 0 if error is None else 1], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     hand_over(mine, *everyone)
-    dist.all_gather(everyone, mine, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    with named_collective(f"the agreement on {what}", ranks):
+        dist.all_gather(everyone, mine, group=group)
     failed = [i for i, t in enumerate(everyone) if int(t[1])]
     same = all(int(t[0]) == int(everyone[0][0]) for t in everyone)
     if not failed and same:
@@ -71,10 +74,10 @@ def agree_across_ranks(
         raise error  # every rank failed: each raises its own error, no further collective
     gathered: list = [None] * world_size
     message = None if error is None else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(gathered, (None if error is not None else value, message), group=group)
+    with named_collective(f"the agreement on {what}", ranks):
+        dist.all_gather_object(gathered, (None if error is not None else value, message), group=group)
     if error is not None:
         raise error
-    ranks = dist.get_process_group_ranks(group)
     if failed:
         index = failed[0]
         others = [ranks[i] for i in failed[1:]]

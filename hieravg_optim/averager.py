@@ -369,16 +369,11 @@ class HierarchicalAverager:
         """After a load, check once that every rank resumed at the same count (collective over the group)."""
         if self._verify_step_pending:
             self._verify_step_pending = False
-            timeout = process_group_timeout(self.process_group)
-            with named_collective(
-                f"the check of the averaging step count at step {self.step}",
-                dist.get_process_group_ranks(self.process_group),
-                timeout_s=None if timeout is None else timeout.total_seconds(),
-            ):
-                agree_across_ranks(
-                    "the averaging step count after load_state_dict (checked at the first step after construction "
-                    "or loading)",
-                    self.step,
-                    self.process_group,
-                    fix="Load the same checkpoint on every rank (or on none) before stepping.",
-                )
+            # A failed collective here is named by agree_across_ranks (faults.named_collective).
+            agree_across_ranks(
+                "the averaging step count after load_state_dict (checked at the first step after construction "
+                "or loading)",
+                self.step,
+                self.process_group,
+                fix="Load the same checkpoint on every rank (or on none) before stepping.",
+            )

@@ -9,8 +9,8 @@ pair with different ones and the backend reports a size mismatch, or waits until
 None of these messages say which averaging round, which group or which step count was
 involved. :func:`named_collective` wraps every collective this package issues during
 training (the agreement check and the averaging of each round, the count check after a
-load, the DeepSpeed adapter's broadcast) and re-raises the backend's error as a
-``RuntimeError`` that says so, chained to the original (``raise ... from``).
+load and every other agreement across ranks, the DeepSpeed adapter's broadcast) and re-raises
+the backend's error as a :class:`CollectiveError` (a ``RuntimeError``) that says so, chained to the original (``raise ... from``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["is_backend_failure", "named_collective"]
+__all__ = ["CollectiveError", "is_backend_failure", "named_collective"]
 
 _MARKERS = (
     "connection closed",
@@ -28,12 +28,22 @@ _MARKERS = (
     "connection refused",
     "broken pipe",
     "timed out",
-    "timeout",
-    "gloo",
+    "third_party/gloo",
     "nccl",
-    "socket",
+    "socket timeout",
 )
 """Lower-case fragments of the errors gloo and NCCL raise (as plain ``RuntimeError`` on gloo, torch 2.13)."""
+
+_OWN = ("failed while checking", "disagree on")
+"""Fragments of the agreement check's own errors, which may quote another rank's error: never re-wrapped."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective of this package failed: a dead or hung peer, or ranks out of step.
+
+    Raised by :func:`named_collective`, chained to the backend's error (``__cause__``). A
+    ``RuntimeError``, as torch's own ``DistBackendError`` is.
+    """
 
 
 def is_backend_failure(exc: BaseException) -> bool:
@@ -46,10 +56,10 @@ def is_backend_failure(exc: BaseException) -> bool:
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(exc, dist_error):
         return True
-    if type(exc) is not RuntimeError:
+    if type(exc) is not RuntimeError:  # CollectiveError included: wrapped once only
         return False
     message = str(exc).lower()
-    return any(marker in message for marker in _MARKERS)
+    return any(marker in message for marker in _MARKERS) and not any(own in message for own in _OWN)
 
 
 @contextlib.contextmanager
@@ -66,8 +76,8 @@ def named_collective(what: str, group_ranks: Sequence[int], *, timeout_s: float 
         timeout_s: The group's timeout in seconds, quoted in the message; ``None`` if unknown.
 
     Raises:
-        RuntimeError: naming ``what``, this rank, ``group_ranks`` and the likely causes, chained
-            (``from``) to the backend's error.
+        CollectiveError: (a ``RuntimeError``) naming ``what``, this rank, ``group_ranks`` and the
+            likely causes, chained (``from``) to the backend's error.
     """
     try:
         yield
@@ -77,7 +87,7 @@ def named_collective(what: str, group_ranks: Sequence[int], *, timeout_s: float 
         rank = dist.get_rank() if dist.is_initialized() else "?"
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         waited = f"within the group's timeout of {timeout_s:g} s" if timeout_s is not None else "within the timeout"
-        raise RuntimeError(
+        raise CollectiveError(
             f"{what} failed on rank {rank}, in the group of ranks {list(group_ranks)}: {first_line} "
             f"Likely cause: a dead or hung peer (a rank of this group exited, was killed, or did not answer {waited}), "
             "or ranks out of step (a rank skipped or added an optimizer step, so its collectives pair with other ones). "

@@ -55,7 +55,7 @@ def _train_until_fault(rank: int, world_size: int, victim: int, fault: str, coun
             opt.step()
     except RuntimeError as exc:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"t": time.monotonic(), "message": str(exc), "cause": repr(exc.__cause__)}, f)
+            json.dump({"t": time.monotonic(), "message": str(exc), "type": type(exc).__name__, "cause": repr(exc.__cause__)}, f)
         raise
     raise AssertionError(f"rank {rank} finished {count + 4} steps without noticing the fault")
 
@@ -107,6 +107,7 @@ def _check_survivors(seen: dict[int, dict], rounds: dict[int, tuple[str, list[in
     for r, (round_name, ranks) in rounds.items():
         s = seen[r]
         assert s["exitcode"] == 1, (r, s)
+        assert s["type"] == "CollectiveError", (r, s)
         assert round_name in s["message"], (r, s["message"])
         assert f"in the group of ranks {ranks}" in s["message"], (r, s["message"])
         assert "dead or hung peer" in s["message"] and "out of step" in s["message"], (r, s["message"])
@@ -247,6 +248,29 @@ def _scenario_ignore(rank: int):
     assert torch.equal(params[0][:-1], torch.full((4,), 5.0))
 
 
+def _scenario_out_of_step(rank: int):
+    """Rank 0 skips count 1: it waits in the top round of count 2, rank 1 in the pair round of count 1; the
+    ranks 2 and 3 finish their pair round and wait in the top round without rank 1. Everyone raises at the
+    timeout, naming its round. Last scenario: the subgroups are unusable afterwards."""
+    from hieravg_optim.faults import CollectiveError
+
+    opt, _ = _opt(rank, _values(rank), collective_timeout_s=3)
+    opt.step()  # count 0, top level: together
+    if rank == 0:
+        opt.averager.step += 1
+    start = time.monotonic()
+    try:
+        opt.step()
+        opt.step()
+    except CollectiveError as exc:
+        seconds = time.monotonic() - start
+        expected = "step 1 (period 1, group size 2)" if rank == 1 else "step 2 (period 2, group size 4)"
+        assert expected in str(exc) and "out of step" in str(exc), (rank, exc)
+        assert 2.0 <= seconds <= 3 + BOUND_S, (rank, seconds)
+    else:
+        raise AssertionError(f"rank {rank}: no CollectiveError although rank 0 skipped a step")
+
+
 def _run_all(rank: int, world_size: int) -> dict:
     return run_scenarios(
         {
@@ -255,6 +279,7 @@ def _run_all(rank: int, world_size: int) -> dict:
             "raise": _scenario_raise,
             "skip_replica": _scenario_skip_replica,
             "ignore": _scenario_ignore,
+            "out_of_step": _scenario_out_of_step,  # last: leaves its subgroups unusable
         },
         rank,
     )
@@ -289,6 +314,18 @@ def test_bad_nonfinite():
     settings = parse_section({"period_group_size": {"2": 4}, "collective_timeout_s": 20, "nonfinite": "skip_replica"})
     config = settings.averaging_config(ranks_per_replica=1)
     assert (config.collective_timeout_s, config.nonfinite) == (20.0, "skip_replica")
+
+
+def test_backend_failures_are_told_from_the_agreement_errors():
+    from hieravg_optim.faults import CollectiveError, is_backend_failure
+
+    gloo = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer."
+    assert is_backend_failure(RuntimeError(gloo))
+    assert is_backend_failure(RuntimeError("[.../unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation"))
+    assert not is_backend_failure(CollectiveError(gloo))  # wrapped once only
+    assert not is_backend_failure(ValueError("Timed out"))
+    # The agreement check's own error, quoting another rank's error that reads like the backend's:
+    assert not is_backend_failure(RuntimeError(f"Rank 2 failed while checking the averaging config: {gloo}"))
 
 
 def test_has_nonfinite():
