@@ -155,7 +155,10 @@ def _bench_rank(
                     times[key].append(float(slowest))
             if rep == 0:
                 # Correctness once: every contender holds the exact mean of the ranks.
-                checked = [("ours", ours_params), ("ours_raw", raw_params), ("torch", torch_params), ("ours_unchecked", unchecked_params)]
+                checked = [
+                    ("ours", ours_params), ("ours_raw", raw_params), ("torch", torch_params),
+                    ("ours_unchecked", unchecked_params),
+                ]
                 if baseline:
                     checked.append(("baseline_raw", base_params))
                 for key, ps in checked:
@@ -315,7 +318,8 @@ def main() -> None:
         print(f"fastest rounds: {r['model']} on {r['world_size']} ranks: ours/floor {r['min_ratio_ours_floor']:.2f}, "
               f"ours/torch {r['min_ratio_ours_torch']:.2f}")
     for r in rows:
-        print(f"non-finite guard: {r['model']} on {r['world_size']} ranks: round {r['median_s']['ours']:.3f} s checked, "
+        print(f"non-finite guard: {r['model']} on {r['world_size']} ranks: round {r['median_s']['ours']:.3f} s "
+              "checked, "
               f"{r['median_s']['ours_unchecked']:.3f} s unchecked (+{100 * r['guard_fraction_of_round']:.1f}%); "
               f"the check alone {r['median_s']['nonfinite_check']:.4f} s ({100 * r['check_fraction_of_round']:.1f}% "
               "of a round); target <= 5%")

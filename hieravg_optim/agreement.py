@@ -127,9 +127,9 @@ def check_agreement(
 ) -> list[int]:
     """Check that every rank of ``group`` is about to average the same tensors.
 
-    Costs one all-reduce of four int64 values (plus one per rank of ``group`` with ``nonfinite``). On a mismatch, or when a rank passes a local
-    ``error``, it gathers the signatures (or the errors) and raises on every rank of the
-    group, so no rank hangs in a collective of a different size.
+    Costs one all-reduce of four int64 values (plus one per rank of ``group`` with ``nonfinite``).
+    On a mismatch, or when a rank passes a local ``error``, it gathers the signatures (or the
+    errors) and raises on every rank of the group, so no rank hangs in a collective of a different size.
 
     .. warning::
         Collective: every rank of ``group`` must call this.
