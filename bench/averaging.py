@@ -13,7 +13,11 @@ processes time, interleaved and in rotating order:
 * ``ours_raw``: :func:`~hieravg_optim.averaging.average_tensors_` alone;
 * ``torch``: ``torch.distributed.algorithms.model_averaging.utils.average_parameters``
   (concatenates into a new model-sized buffer, all-reduces, rebinds ``p.data``);
-* ``floor``: ``dist.all_reduce`` of one preallocated flat float32 buffer of the model's size.
+* ``floor``: ``dist.all_reduce`` of one preallocated flat float32 buffer of the model's size;
+* ``ours_unchecked``: ``ours`` with ``nonfinite="ignore"``, and ``nonfinite_check``:
+  :func:`~hieravg_optim.agreement.has_nonfinite` alone (local): the cost of the non-finite guard
+  (``ours`` runs it, as the default ``nonfinite="raise"`` does) is ``ours - ours_unchecked``,
+  reported as a fraction of a round.
 
 Each contender has its own copy of the parameters. Time of a round = the slowest
 rank's (all ranks start at a barrier); median over ``--reps`` rounds after one warm-up.
@@ -70,6 +74,7 @@ def _bench_rank(
     import torch.distributed as dist
     from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
+    from hieravg_optim.agreement import has_nonfinite
     from hieravg_optim.averaging import BucketPool, average_tensors_
     from hieravg_optim.config import AveragingConfig
     from hieravg_optim.optimizer import HierarchicalAverager
@@ -87,6 +92,10 @@ def _bench_rank(
         torch_params = _make(shapes, rank, torch)
         flat = torch.full((numel,), float(rank))
         averager = HierarchicalAverager(AveragingConfig.create({2: world_size}, bucket_cap_mb=bucket_mb))
+        unchecked_params = _make(shapes, rank, torch)
+        unchecked = HierarchicalAverager(
+            AveragingConfig.create({2: world_size}, bucket_cap_mb=bucket_mb, nonfinite="ignore")
+        )
         raw_pool = BucketPool()
 
         def ours():
@@ -105,7 +114,16 @@ def _bench_rank(
         def floor():
             dist.all_reduce(flat, group=group)
 
-        contenders = {"ours": ours, "ours_raw": ours_raw, "torch": torch_avg, "floor": floor}
+        def ours_unchecked():
+            unchecked.average(-1, [p.detach() for p in unchecked_params])
+
+        def nonfinite_check():
+            assert not has_nonfinite([p.detach() for p in ours_params])
+
+        contenders = {
+            "ours": ours, "ours_raw": ours_raw, "torch": torch_avg, "floor": floor,
+            "ours_unchecked": ours_unchecked, "nonfinite_check": nonfinite_check,
+        }
         if baseline:
             old = _load_baseline(baseline)
             base_params = _make(shapes, rank, torch)
@@ -137,7 +155,10 @@ def _bench_rank(
                     times[key].append(float(slowest))
             if rep == 0:
                 # Correctness once: every contender holds the exact mean of the ranks.
-                checked = [("ours", ours_params), ("ours_raw", raw_params), ("torch", torch_params)]
+                checked = [
+                    ("ours", ours_params), ("ours_raw", raw_params), ("torch", torch_params),
+                    ("ours_unchecked", unchecked_params),
+                ]
                 if baseline:
                     checked.append(("baseline_raw", base_params))
                 for key, ps in checked:
@@ -161,7 +182,7 @@ def _bench_rank(
         )
         if baseline:
             del base_params, base_pool
-        del ours_params, raw_params, torch_params, flat, averager, raw_pool
+        del ours_params, raw_params, torch_params, flat, averager, raw_pool, unchecked_params, unchecked
 
     sharded_result = None
     if sharded:
@@ -263,6 +284,9 @@ def main() -> None:
             r["min_ratio_ours_floor"] = best["ours"] / best["floor"]
             r["min_ratio_ours_torch"] = best["ours"] / best["torch"]
             r["ours_memory_target_bytes"] = r["bucket_cap_bytes"] + r["largest_tensor_bytes"]
+            # The non-finite guard: what the default (nonfinite="raise") adds to a round (target <= 5%).
+            r["guard_fraction_of_round"] = (med["ours"] - med["ours_unchecked"]) / med["ours_unchecked"]
+            r["check_fraction_of_round"] = med["nonfinite_check"] / med["ours_unchecked"]
             if "baseline_raw" in med:
                 r["baseline_rev"] = args.baseline_rev
                 r["ratio_ours_raw_baseline_raw"] = med["ours_raw"] / med["baseline_raw"]
@@ -293,6 +317,12 @@ def main() -> None:
     for r in rows:
         print(f"fastest rounds: {r['model']} on {r['world_size']} ranks: ours/floor {r['min_ratio_ours_floor']:.2f}, "
               f"ours/torch {r['min_ratio_ours_torch']:.2f}")
+    for r in rows:
+        print(f"non-finite guard: {r['model']} on {r['world_size']} ranks: round {r['median_s']['ours']:.3f} s "
+              "checked, "
+              f"{r['median_s']['ours_unchecked']:.3f} s unchecked (+{100 * r['guard_fraction_of_round']:.1f}%); "
+              f"the check alone {r['median_s']['nonfinite_check']:.4f} s ({100 * r['check_fraction_of_round']:.1f}% "
+              "of a round); target <= 5%")
     for r in rows:
         if "baseline_raw" in r["median_s"]:
             print(f"A/B: {r['model']} on {r['world_size']} ranks: average_tensors_ now / at {r['baseline_rev']}: "

@@ -23,12 +23,14 @@ import torch.distributed as dist
 
 from ._handover import hand_over
 from .averaging import overlaps_itself
+from .faults import named_collective
 
 __all__ = [
     "agree_across_ranks",
     "check_agreement",
     "describe_difference",
     "digest",
+    "has_nonfinite",
     "raise_on_every_rank",
     "tensor_signature",
 ]
@@ -61,7 +63,9 @@ def agree_across_ranks(
     mine = torch.tensor([digest(value), 0 if error is None else 1], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     hand_over(mine, *everyone)
-    dist.all_gather(everyone, mine, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    with named_collective(f"the agreement on {what}", ranks):
+        dist.all_gather(everyone, mine, group=group)
     failed = [i for i, t in enumerate(everyone) if int(t[1])]
     same = all(int(t[0]) == int(everyone[0][0]) for t in everyone)
     if not failed and same:
@@ -70,10 +74,10 @@ def agree_across_ranks(
         raise error  # every rank failed: each raises its own error, no further collective
     gathered: list = [None] * world_size
     message = None if error is None else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(gathered, (None if error is not None else value, message), group=group)
+    with named_collective(f"the agreement on {what}", ranks):
+        dist.all_gather_object(gathered, (None if error is not None else value, message), group=group)
     if error is not None:
         raise error
-    ranks = dist.get_process_group_ranks(group)
     if failed:
         index = failed[0]
         others = [ranks[i] for i in failed[1:]]
@@ -119,12 +123,13 @@ def check_agreement(
     context: dict[str, object],
     what: str,
     error: BaseException | None = None,
-) -> None:
+    nonfinite: bool | None = None,
+) -> list[int]:
     """Check that every rank of ``group`` is about to average the same tensors.
 
-    Costs one all-reduce of four int64 values. On a mismatch, or when a rank passes a local
-    ``error``, it gathers the signatures (or the errors) and raises on every rank of the
-    group, so no rank hangs in a collective of a different size.
+    Costs one all-reduce of four int64 values (plus one per rank of ``group`` with ``nonfinite``).
+    On a mismatch, or when a rank passes a local ``error``, it gathers the signatures (or the
+    errors) and raises on every rank of the group, so no rank hangs in a collective of a different size.
 
     .. warning::
         Collective: every rank of ``group`` must call this.
@@ -137,6 +142,12 @@ def check_agreement(
         what: Names the averaging round in the error message.
         error: A local check of this rank that failed (e.g. the tensors are not the ones the next
             step reads); raised here, and as a ``RuntimeError`` naming this rank on the others.
+        nonfinite: Whether this rank's tensors hold a NaN or an infinity (see :func:`has_nonfinite`),
+            agreed on in the same all-reduce; ``None`` (no check) on every rank, or a bool on every rank.
+
+    Returns:
+        The global ranks of ``group`` that passed ``nonfinite=True``, ascending, the same list on every
+        rank; empty when none did or ``nonfinite`` is ``None``.
 
     Raises:
         RuntimeError: naming two ranks that disagree and their first difference, or a rank whose
@@ -148,7 +159,11 @@ def check_agreement(
     # The same rule on every rank, whatever its tensors: a rank with none must not pick another device.
     device = _collective_device(group)
     failed = 0 if error is None else 1
-    probe = torch.tensor([mine, -mine, failed, -failed], dtype=torch.int64, device=device)
+    flags = []
+    if nonfinite is not None:  # one flag per rank of the group, this rank's own set: MAX yields them all
+        flags = [0] * len(group_ranks)
+        flags[list(group_ranks).index(dist.get_rank())] = int(nonfinite)
+    probe = torch.tensor([mine, -mine, failed, -failed, *flags], dtype=torch.int64, device=device)
     hand_over(probe)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
     if int(probe[2]):
@@ -164,7 +179,7 @@ def check_agreement(
             f"({dist.get_rank()}) raises too, so that no rank waits in a collective the failed rank never enters."
         )
     if int(probe[0]) == -int(probe[1]):
-        return
+        return [rank for rank, flag in zip(group_ranks, probe[4:].tolist()) if flag]
     gathered: list = [None] * len(group_ranks)
     dist.all_gather_object(gathered, local, group=group)
     first = gathered[0]
@@ -177,6 +192,29 @@ def check_agreement(
                 "parameter groups identically on every rank, and resume every rank from the same checkpoint."
             )
     raise AssertionError("digests differ but the gathered signatures are equal")
+
+
+def has_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether any element of ``tensors`` is a NaN or an infinity; local, no collective.
+
+    One reduction per tensor, reading each element once: a sum is non-finite whenever an element
+    is (NaN and infinities propagate), so only a tensor whose sum is non-finite is checked element
+    by element, which tells a non-finite element from a finite sum that overflowed. float16 and
+    bfloat16 are summed in float32. Extra memory: one scalar per tensor (plus, for a tensor whose
+    sum is non-finite, a bool tensor of its size).
+    """
+    sums = []
+    for t in tensors:
+        if t.numel() and (t.is_floating_point() or t.is_complex()):
+            sums.append(t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum())
+    if not sums:
+        return False
+    # One host synchronisation for all the tensors, whatever their devices.
+    finite = torch.stack([torch.isfinite(s).all().to(sums[0].device) for s in sums]).tolist()
+    if all(finite):
+        return False
+    candidates = [t for t in tensors if t.numel() and (t.is_floating_point() or t.is_complex())]
+    return any(not bool(torch.isfinite(t).all()) for t, ok in zip(candidates, finite) if not ok)
 
 
 def tensor_signature(tensors: Sequence[torch.Tensor]) -> list[tuple[tuple[int, ...], str]]:

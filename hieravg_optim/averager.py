@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 from ._handover import hand_over
-from .agreement import agree_across_ranks, check_agreement
+from .agreement import agree_across_ranks, check_agreement, has_nonfinite
 from .averaging import BucketPool, average_tensors_
 from .config import AveragingConfig, is_int, warn_at_caller
-from .groups import LevelGroup, build_level_groups
+from .faults import named_collective
+from .groups import LevelGroup, build_level_groups, process_group_timeout
 from .schedule import AveragingLevel, level_at
 
 try:  # torch >= 2.5
@@ -228,9 +229,18 @@ class HierarchicalAverager:
                 are frozen and skipped); part of the agreement check, so a disagreement is a
                 ``RuntimeError`` naming it on every rank, not averaging of different tensors.
 
+        With ``config.nonfinite`` other than ``"ignore"``, every rank first checks its tensors for NaN and
+        infinities (one reduction per tensor, see :func:`hieravg_optim.agreement.has_nonfinite`); the ranks
+        agree on the result in the agreement collective, with no extra round trip.
+
         Raises:
-            RuntimeError: if the ranks of the subgroup disagree on the tensors or ``context``, or another rank passed
-                an ``error`` (see :func:`hieravg_optim.agreement.check_agreement`).
+            RuntimeError: if the ranks of the subgroup disagree on the tensors or ``context``, or another
+                rank passed an ``error`` (see :func:`hieravg_optim.agreement.check_agreement`); on every rank of the
+                subgroup, naming the ranks and replicas, if some hold non-finite values under
+                ``nonfinite="raise"``, or all of them under ``"skip_replica"``; if a collective of the
+                round fails (a dead or hung peer, ranks out of step): naming the round, the step count
+                and the subgroup's ranks, chained to the backend's error
+                (:func:`hieravg_optim.faults.named_collective`).
             Exception: ``error``, if given.
         """
         lg = self.level_groups[level_index]
@@ -241,18 +251,29 @@ class HierarchicalAverager:
             metrics.rounds += 1
             return
         start = time.perf_counter()
-        check_agreement(
-            tensors,
-            lg.group,
-            lg.ranks,
-            context={"step count": self.step, "bucket_cap_mb": self.config.bucket_cap_mb, **(context or {})},
-            what=f"the parameters to average at step {self.step} (period {lg.level.period}, group size "
-            f"{lg.level.group_size})",
-            error=error,
+        round_name = (
+            f"the averaging round at step {self.step} (period {lg.level.period}, group size {lg.level.group_size})"
         )
-        with torch.no_grad():
+        with torch.no_grad(), named_collective(round_name, lg.ranks, timeout_s=self._timeout_s(lg)):
+            nonfinite = None if self.config.nonfinite == "ignore" else has_nonfinite(tensors)
+            bad = check_agreement(
+                tensors,
+                lg.group,
+                lg.ranks,
+                context={"step count": self.step, "bucket_cap_mb": self.config.bucket_cap_mb, **(context or {})},
+                what=f"the parameters to average at step {self.step} (period {lg.level.period}, group size "
+                f"{lg.level.group_size})",
+                error=error,
+                nonfinite=nonfinite,
+            )
+            divisor = self._skip_nonfinite(lg, bad, tensors, round_name) if bad else None
             payload = average_tensors_(
-                tensors, lg.group, lg.size, bucket_cap_bytes=self.config.bucket_cap_bytes, pool=self.pool
+                tensors,
+                lg.group,
+                lg.size,
+                bucket_cap_bytes=self.config.bucket_cap_bytes,
+                pool=self.pool,
+                divisor=divisor,
             )
         metrics.rounds += 1
         metrics.payload_bytes += payload
@@ -277,21 +298,70 @@ class HierarchicalAverager:
 
         Raises:
             RuntimeError: on every rank of the subgroup, before any broadcast, if the ranks disagree on
-                the tensors' number, shapes or dtypes.
+                the tensors' number, shapes or dtypes; if a collective fails (a dead or hung peer), naming
+                it and the subgroup's ranks (:func:`hieravg_optim.faults.named_collective`).
         """
         top = self.level_groups[-1]
         if top.group is None:
             return
-        check_agreement(
-            tensors,
-            top.group,
-            top.ranks,
-            context={"operation": "broadcast from the first replica"},
-            what="the tensors broadcast from the first replica at construction",
-        )
-        for t in tensors:
-            hand_over(t)
-            dist.broadcast(t, src=top.ranks[0], group=top.group)
+        what = "the broadcast from the first replica at construction"
+        with named_collective(what, top.ranks, timeout_s=self._timeout_s(top)):
+            check_agreement(
+                tensors,
+                top.group,
+                top.ranks,
+                context={"operation": "broadcast from the first replica"},
+                what="the tensors broadcast from the first replica at construction",
+            )
+            for t in tensors:
+                hand_over(t)
+                dist.broadcast(t, src=top.ranks[0], group=top.group)
+
+    def _timeout_s(self, lg: LevelGroup) -> float | None:
+        """The timeout of ``lg``'s group in seconds, for error messages: the configured one, else the group's."""
+        if self.config.collective_timeout_s is not None:
+            return self.config.collective_timeout_s
+        timeout = process_group_timeout(lg.group) if lg.group is not None else None
+        return None if timeout is None else timeout.total_seconds()
+
+    def _skip_nonfinite(
+        self, lg: LevelGroup, bad: list[int], tensors: Sequence[torch.Tensor], round_name: str
+    ) -> int:
+        """Apply :attr:`AveragingConfig.nonfinite` to the ranks ``bad`` of ``lg`` whose tensors are non-finite.
+
+        Every rank of the group gets the same ``bad`` (from :func:`check_agreement`), so every rank raises,
+        or every rank goes on to the same collective. Returns the number of finite replicas to divide by;
+        a non-finite rank's tensors are zeroed here, so that it adds nothing to the sum.
+        """
+        rpr = self.config.ranks_per_replica
+        replicas = sorted({dist.get_group_rank(self.process_group, r) // rpr for r in bad})
+        named = f"rank{'s' if len(bad) > 1 else ''} {bad} (replica{'s' if len(replicas) > 1 else ''} {replicas})"
+        finite = lg.size - len(bad)
+        if self.config.nonfinite == "raise" or finite == 0:
+            cause = (
+                "every replica of the group holds non-finite values, so there is no finite replica to average"
+                if finite == 0
+                else 'averaging would spread them to every replica of the group (nonfinite="raise")'
+            )
+            raise RuntimeError(
+                f"Non-finite values (NaN or infinity) in the tensors of {named} before {round_name}, in the group of "
+                f"ranks {list(lg.ranks)}: {cause}. Every rank of the group raises. Lower the learning rate or clip "
+                'the gradients, resume from an earlier checkpoint, or pass nonfinite="skip_replica" to average the '
+                "finite replicas only and give the others that mean."
+            )
+        if dist.get_rank() in bad:
+            for t in tensors:
+                t.zero_()
+        if dist.get_rank() == lg.ranks[0]:
+            logger.warning(
+                "%s: non-finite values in %s; averaging the %d finite replicas of the group of ranks %s, and giving "
+                "the others their mean (nonfinite=\"skip_replica\")",
+                round_name,
+                named,
+                finite,
+                list(lg.ranks),
+            )
+        return finite
 
     def metrics(self) -> dict[int, dict[str, Any]]:
         """What each level has done on this rank since construction; local, no collective.
@@ -355,6 +425,7 @@ class HierarchicalAverager:
         """After a load, check once that every rank resumed at the same count (collective over the group)."""
         if self._verify_step_pending:
             self._verify_step_pending = False
+            # A failed collective here is named by agree_across_ranks (faults.named_collective).
             agree_across_ranks(
                 "the averaging step count after load_state_dict (checked at the first step after construction "
                 "or loading)",

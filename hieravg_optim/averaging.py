@@ -166,6 +166,7 @@ def average_tensors_(
     *,
     bucket_cap_bytes: int,
     pool: BucketPool,
+    divisor: int | None = None,
 ) -> int:
     """Replace every tensor by its mean over ``group``, in place.
 
@@ -180,6 +181,9 @@ def average_tensors_(
         group_size: ``group``'s size.
         bucket_cap_bytes: Upper bound of one bucket, in bytes.
         pool: Where the reusable buckets live.
+        divisor: What the sum over ``group`` is divided by; ``None`` (default): ``group_size``. With
+            ranks that contribute zeros (``nonfinite="skip_replica"``), the number of ranks that
+            contribute, so that the result is the mean of their tensors.
 
     Returns:
         The payload this rank all-reduced, in bytes (accumulation dtype).
@@ -202,6 +206,8 @@ def average_tensors_(
             continue
         by_key.setdefault((t.device, accumulation_dtype(t.dtype)), []).append(t)
 
+    if divisor is not None:
+        group_size = divisor  # only ever used below to divide the sum
     payload = 0
     for (device, acc), group_tensors in by_key.items():
         itemsize = torch.empty((), dtype=acc).element_size()

@@ -17,10 +17,22 @@ import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from .schedule import AveragingLevel
 
-__all__ = ["AveragingConfig", "is_int", "parse_levels", "warn_at_caller"]
+__all__ = [
+    "NONFINITE_POLICIES",
+    "AveragingConfig",
+    "check_collective_timeout_s",
+    "check_nonfinite",
+    "is_int",
+    "parse_levels",
+    "warn_at_caller",
+]
+
+NONFINITE_POLICIES = ("raise", "skip_replica", "ignore")
+"""The values of ``nonfinite``: what an averaging round does when a replica holds a NaN or an infinity."""
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -117,6 +129,25 @@ def parse_levels(
     return tuple(levels)
 
 
+def check_collective_timeout_s(value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is ``None`` or a positive, finite number of seconds."""
+    if value is not None and (not _is_real(value) or not _as_float(value) > 0 or not math.isfinite(_as_float(value))):
+        raise ValueError(
+            f"collective_timeout_s must be a positive, finite number of seconds or None (the process group's "
+            f"timeout), got {value!r} ({type(value).__name__}). Pass e.g. collective_timeout_s=300 to let a dead or "
+            "hung peer be reported after 5 minutes."
+        )
+
+
+def check_nonfinite(value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of :data:`NONFINITE_POLICIES`."""
+    if not isinstance(value, str) or value not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"nonfinite must be one of {list(NONFINITE_POLICIES)}, got {value!r}: \"raise\" (the default) raises on "
+            "every rank of the group, \"skip_replica\" averages only the finite replicas, \"ignore\" does not check."
+        )
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class AveragingConfig:
     """The validated settings of :class:`~hieravg_optim.HierarchicalAveragingOptimizer`.
@@ -151,6 +182,17 @@ class AveragingConfig:
     gradients globally). ``True``: the replicas, starting from the same weights, end every
     warm-up step with the same weights; with SGD (with or without momentum) this is exactly
     synchronous SGD over all ranks. The DeepSpeed and FSDP adapters turn it on by default."""
+    collective_timeout_s: float | None = None
+    """Timeout of the averaging subgroups' collectives, in seconds; ``None``: the process group's timeout.
+
+    A peer that died is usually reported at once (its connections close); one that hangs (stopped,
+    swapped out, deadlocked) only after this timeout. With a timeout given, the top level gets its own
+    group too, even where it spans the whole process group."""
+
+    nonfinite: Literal["raise", "skip_replica", "ignore"] = "raise"
+    """What a round does when a replica's tensors hold a NaN or an infinity: ``"raise"`` on every rank
+    of the group, naming the replicas; ``"skip_replica"``: average the finite replicas only and give the
+    others that mean; ``"ignore"``: no check (the non-finite values spread to every replica)."""
 
     def __post_init__(self) -> None:
         if not self.levels:
@@ -190,6 +232,8 @@ class AveragingConfig:
                 f"synchronous_warmup must be True or False, got {self.synchronous_warmup!r} "
                 f"({type(self.synchronous_warmup).__name__})."
             )
+        check_collective_timeout_s(self.collective_timeout_s)
+        check_nonfinite(self.nonfinite)
 
     @classmethod
     def create(
@@ -200,12 +244,15 @@ class AveragingConfig:
         ranks_per_replica: int = 1,
         bucket_cap_mb: float = 25.0,
         synchronous_warmup: bool = False,
+        collective_timeout_s: float | None = None,
+        nonfinite: str = "raise",
     ) -> AveragingConfig:
         """Build a config from torch's ``{period: group_size}`` mapping.
 
         Raises:
             ValueError: naming the offending value, for every invalid setting.
         """
+        check_collective_timeout_s(collective_timeout_s)  # named as given, before the conversion to float
         # Plain Python numbers (numpy integers, an int bucket size): the ranks compare the config by
         # its repr, so warmup_steps=np.int64(8) on one rank and 8 on another must not differ.
         return cls(
@@ -214,6 +261,10 @@ class AveragingConfig:
             ranks_per_replica=int(ranks_per_replica) if is_int(ranks_per_replica) else ranks_per_replica,
             bucket_cap_mb=_as_float(bucket_cap_mb) if _is_real(bucket_cap_mb) else bucket_cap_mb,
             synchronous_warmup=synchronous_warmup,
+            collective_timeout_s=(
+                _as_float(collective_timeout_s) if _is_real(collective_timeout_s) else collective_timeout_s
+            ),
+            nonfinite=nonfinite,  # type: ignore[arg-type]
         )
 
     @property

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from .config import AveragingConfig
 from .schedule import AveragingLevel
 
-__all__ = ["LevelGroup", "averaging_subgroup_ranks", "build_level_groups"]
+__all__ = ["LevelGroup", "averaging_subgroup_ranks", "build_level_groups", "process_group_timeout"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,19 @@ def averaging_subgroup_ranks(world_size: int, group_size: int, ranks_per_replica
     return subgroups
 
 
+def process_group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The timeout ``group`` was created with (``init_process_group(timeout=...)``), or ``None`` if unknown.
+
+    Read from the group's backend options (torch 2.4 to 2.13); local, no collective.
+    """
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError, TypeError):
+            continue
+    return None
+
+
 def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup | None = None) -> list[LevelGroup]:
     """Create the averaging subgroups of every level, once.
 
@@ -75,7 +90,10 @@ def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup
         with its own hierarchy, work too.
 
     Args:
-        config: A config already checked with :meth:`AveragingConfig.check_world_size`.
+        config: A config already checked with :meth:`AveragingConfig.check_world_size`. Its
+            ``collective_timeout_s`` (seconds) is the timeout of every group created here; ``None``
+            gives them the timeout of ``process_group`` (:func:`torch.distributed.new_group` alone
+            would give torch's default for the backend, 30 min on gloo, 10 min on NCCL).
         process_group: The overall group; ``None`` means the default (world) group.
 
     Returns:
@@ -89,6 +107,9 @@ def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup
     # ranks, or disjoint groups each with its own hierarchy): the other ranks of the default group do
     # not take part, so every rank creates only its own subgroups, synchronizing with their members.
     local_sync = world_size != dist.get_world_size()
+    # With a timeout of its own, the top level cannot reuse ``pg`` (which keeps the process group's timeout).
+    own_timeout = config.collective_timeout_s is not None
+    timeout = timedelta(seconds=config.collective_timeout_s) if own_timeout else process_group_timeout(pg)
     cache: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
     result = []
     for level in config.levels:
@@ -98,12 +119,12 @@ def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup
             if ranks not in cache:
                 if len(ranks) == 1:
                     cache[ranks] = None
-                elif len(ranks) == world_size:
+                elif len(ranks) == world_size and not own_timeout:
                     cache[ranks] = pg
                 elif not local_sync:
-                    cache[ranks] = dist.new_group(list(ranks))
+                    cache[ranks] = dist.new_group(list(ranks), timeout=timeout)
                 elif my_rank in ranks:
-                    cache[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+                    cache[ranks] = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
             if my_rank in ranks:
                 mine = ranks
         assert mine is not None, f"rank {my_rank} is in no subgroup of level {level}"

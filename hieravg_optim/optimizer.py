@@ -125,6 +125,17 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             frozen is part of each round's agreement check, so ranks that disagree raise a
             ``RuntimeError`` instead of averaging different tensors. Does not apply to the tensors
             ``tensors_to_average`` returns.
+        collective_timeout_s: Timeout of the averaging subgroups' collectives, in seconds (a positive
+            number); ``None`` (default): the timeout of ``process_group``. A peer that died is reported at
+            once; one that hangs, after this timeout: then every rank of the round raises a ``RuntimeError``
+            naming the level, the step count and the subgroup's ranks (see ``docs/faults.md``). With a
+            value, the top level gets a group of its own, even where it spans ``process_group``.
+        nonfinite: What a round does when some replica's tensors hold a NaN or an infinity, checked
+            before each round and agreed on in the round's agreement collective (no extra round trip):
+            ``"raise"`` (default): every rank of the subgroup raises a ``RuntimeError`` naming the ranks
+            and replicas; ``"skip_replica"``: the finite replicas are averaged and the others get their
+            mean (a ``RuntimeError`` if none is finite); ``"ignore"``: no check (one non-finite replica
+            makes every replica of the group non-finite). The check reads every tensor once.
 
     Raises:
         ValueError: for an invalid setting, naming it, before any averaging collective; at the
@@ -169,6 +180,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         tensors_to_average: Callable[[], Iterable[torch.Tensor]] | None = None,
         synchronous_warmup: bool = False,
         average_frozen: bool = False,
+        collective_timeout_s: float | None = None,
+        nonfinite: str = "raise",
     ) -> None:
         try:
             if isinstance(optimizer, HierarchicalAveragingOptimizer):
@@ -184,6 +197,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
                 ranks_per_replica=ranks_per_replica,
                 bucket_cap_mb=bucket_cap_mb,
                 synchronous_warmup=synchronous_warmup,
+                collective_timeout_s=collective_timeout_s,
+                nonfinite=nonfinite,
             )
             if not isinstance(average_frozen, bool):
                 raise ValueError(

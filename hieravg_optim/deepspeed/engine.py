@@ -19,6 +19,7 @@ from .._handover import hand_over
 from ..averager import HierarchicalAverager
 from ..averaging import average_tensors_
 from ..config import AveragingConfig
+from ..faults import named_collective
 from .checkpoint import wrap_checkpoints
 from .mpu import ReplicaParallelUnit
 
@@ -156,7 +157,8 @@ class DeepSpeedAveraging:
             [b.detach() for b in engine.module.buffers() if b.is_floating_point()] if average_buffers else []
         )
         """The module's floating-point buffers this averaging averages (empty without ``average_buffers``)."""
-        with torch.no_grad():
+        world = list(range(dist.get_world_size()))
+        with torch.no_grad(), named_collective("the broadcast of the module's buffers from rank 0 at construction", world):
             for b in self.buffers:
                 hand_over(b)
                 dist.broadcast(b, src=0)
@@ -279,13 +281,15 @@ class DeepSpeedAveraging:
         """
         size = self.mpu.get_data_parallel_world_size()
         if self.buffers and size > 1:
-            average_tensors_(
-                self.buffers,
-                self.mpu.get_data_parallel_group(),
-                size,
-                bucket_cap_bytes=self.config.bucket_cap_bytes,
-                pool=self.averager.pool,
-            )
+            what = f"the averaging of the module's buffers within the replica at step {self.averager.step}"
+            with named_collective(what, self.mpu.get_data_parallel_group_ranks()):
+                average_tensors_(
+                    self.buffers,
+                    self.mpu.get_data_parallel_group(),
+                    size,
+                    bucket_cap_bytes=self.config.bucket_cap_bytes,
+                    pool=self.averager.pool,
+                )
 
     def average_now(self, level_index: int = -1) -> None:
         """Average the master weights at one level now, whatever the count, and push them into the module.

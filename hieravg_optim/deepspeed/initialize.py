@@ -60,6 +60,8 @@ def initialize(
     config_params: str | os.PathLike | Mapping[str, Any] | None = None,
     *,
     average_buffers: bool | None = None,
+    collective_timeout_s: float | None = None,
+    nonfinite: str | None = None,
 ):
     """:func:`deepspeed.initialize`, plus hierarchical averaging from the config's ``"hierarchical_averaging"``.
 
@@ -89,7 +91,17 @@ def initialize(
     * ``average_frozen`` (default false): also average the module's parameters with
       ``requires_grad=False`` (ZeRO 0-2; ZeRO-3 with a frozen parameter raises
       ``NotImplementedError``); false: they are never sent and never changed by averaging.
+    * ``collective_timeout_s`` (default null: the default group's timeout): timeout of the averaging
+      subgroups' collectives, in seconds; a hung peer is reported after it (see ``docs/faults.md``).
+    * ``nonfinite`` (default ``"raise"``): ``"raise"``, ``"skip_replica"`` or ``"ignore"``, what a
+      round does when a replica's master weights hold a NaN or an infinity (see
+      :class:`~hieravg_optim.HierarchicalAveragingOptimizer`).
     * ``enabled`` (default true): false ignores the section.
+
+    ``average_buffers``, ``collective_timeout_s`` and ``nonfinite`` may also be passed as keywords
+    (the section's meaning, the same on every rank);
+    a keyword and a different value in the section are a ``ValueError``, and so is a keyword without
+    an enabled section.
 
     The section is removed before the config reaches DeepSpeed. The batch size keys then
     count one replica: ``train_batch_size = train_micro_batch_size_per_gpu x
@@ -116,17 +128,20 @@ def initialize(
         every rank must call it with the same config.
 
     Args:
-        average_buffers: Overrides the section's ``"average_buffers"`` when not ``None``
-            (``True`` or ``False``); must be the same on every rank. Without an enabled section
-            it has no effect, and a value other than ``None`` warns. The other arguments are
-            :func:`deepspeed.initialize`'s.
+        average_buffers: The section's ``"average_buffers"``, as a keyword (``True`` or ``False``);
+            ``None``: not given. See the keyword rule above.
+        collective_timeout_s: The section's ``"collective_timeout_s"``, as a keyword (seconds).
+        nonfinite: The section's ``"nonfinite"``, as a keyword.
+
+        The other arguments are :func:`deepspeed.initialize`'s.
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)``, as :func:`deepspeed.initialize`.
 
     Raises:
-        ValueError: naming the key and the value, for an invalid section or an ``average_buffers``
-            that is neither ``None`` nor a bool, on every rank before the engine is built; for a
+        ValueError: naming the key and the value, for an invalid section or keyword, a keyword that
+            differs from the section's value, or a keyword without an enabled section, on every rank
+            before the engine is built; for a
             ``train_batch_size`` that does not count one replica; for an ``optimizer`` with an empty
             parameter group together with an ``lr_scheduler`` instance (DeepSpeed drops the group
             from the optimizer only: pass the scheduler as a callable, or drop the group).
@@ -153,7 +168,16 @@ def initialize(
         ds_kwargs["distributed_port"] = distributed_port
     source, from_args = _find_config(args, config, config_params)
     initialized = dist.is_available() and dist.is_initialized()
-    local = _check_locally(source, model, optimizer, mpu, mesh_param, initialized, average_buffers, lr_scheduler)
+    overrides = {
+        k: v
+        for k, v in (
+            ("average_buffers", average_buffers),
+            ("collective_timeout_s", collective_timeout_s),
+            ("nonfinite", nonfinite),
+        )
+        if v is not None
+    }
+    local = _check_locally(source, model, optimizer, mpu, mesh_param, initialized, overrides, lr_scheduler)
     # Without any config DeepSpeed raises its own error; the agreement then only runs when another rank
     # may be waiting in it.
     if local.loaded is not None or initialized:
@@ -171,7 +195,7 @@ def initialize(
         ds_kwargs,
         training_data,
         collate_fn,
-        average_buffers=local.average_buffers,
+        average_buffers=local.settings.average_buffers,
         average_frozen=local.settings.average_frozen,
     )
 
@@ -188,8 +212,6 @@ class _Local:
     """The config without the section, for DeepSpeed; ``None`` when the config has no section."""
     averaging_config: AveragingConfig | None = None
     """The core config, ``ranks_per_replica`` resolved; ``None`` without a section or with ``"enabled": false``."""
-    average_buffers: bool = False
-    """Whether the module's floating-point buffers are averaged: the argument, else the section's key."""
 
 
 def _find_config(args: Any, config: Any, config_params: Any) -> tuple[Any, bool]:
@@ -209,7 +231,7 @@ def _check_locally(
     mpu: Any,
     mesh_param: Any,
     initialized: bool,
-    average_buffers: Any = None,
+    overrides: Mapping[str, Any] | None = None,
     lr_scheduler: Any = None,
 ) -> _Local:
     """Read the config, parse the section and check the arguments, on this rank alone.
@@ -227,30 +249,46 @@ def _check_locally(
                 f"optimizer={type(optimizer).__name__}(...).optimizer, or the torch.optim.AdamW you wrapped) "
                 f'and give the config a "{SECTION}" section: the section does the averaging.'
             )
-        if average_buffers is not None and not isinstance(average_buffers, bool):
-            raise ValueError(
-                f"average_buffers must be True, False or None (the section's \"average_buffers\"), got "
-                f"{average_buffers!r} ({type(average_buffers).__name__})."
-            )
         local.loaded = load_config(source) if source is not None else None
         if local.loaded is not None and SECTION in local.loaded:
-            local.settings = parse_section(local.loaded[SECTION])
+            local.settings = _with_overrides(parse_section(local.loaded[SECTION]), local.loaded[SECTION], overrides)
             local.ds_config = {k: v for k, v in local.loaded.items() if k != SECTION}
             local.averaging_config = _local_averaging_config(
                 local.settings, local.ds_config, model, optimizer, mpu, mesh_param
             )
-            local.average_buffers = local.settings.average_buffers if average_buffers is None else average_buffers
             if local.averaging_config is not None:
                 _check_empty_groups(optimizer, lr_scheduler)
-        if average_buffers is not None and local.averaging_config is None:
-            warn_at_caller(
-                f'average_buffers={average_buffers} has no effect: the config has no enabled "{SECTION}" section.'
+        if overrides and local.averaging_config is None:
+            raise ValueError(
+                f"{', '.join(f'{k}={v!r}' for k, v in overrides.items())} given to initialize(), but the config has no "
+                f'enabled "{SECTION}" section: add one with "period_group_size", or drop the keyword.'
             )
     except Exception as exc:  # noqa: BLE001 - raised on every rank
         if not initialized:
             raise
         raise_on_every_rank(exc, None, f'the DeepSpeed config and its "{SECTION}" section')
     return local
+
+
+def _with_overrides(
+    settings: SectionSettings, section: Mapping[str, Any], overrides: Mapping[str, Any] | None
+) -> SectionSettings:
+    """``settings`` with the keywords of :func:`initialize` that are given; a different value in the section is an error.
+
+    Raises:
+        ValueError: naming the key, for a keyword that is invalid or differs from the section's value.
+    """
+    if not overrides:
+        return settings
+    merged = dict(section)
+    for key, value in overrides.items():
+        if key in section and section[key] != value:
+            raise ValueError(
+                f'initialize({key}={value!r}) differs from the "{SECTION}" section\'s "{key}": {section[key]!r}. '
+                "Give it in one place."
+            )
+        merged[key] = value
+    return parse_section(merged)
 
 
 def _init_distributed(ds_kwargs: Mapping[str, Any]) -> None:
@@ -285,7 +323,7 @@ def _agree(local: _Local) -> None:
             error = exc
         value: object = {
             **asdict(local.averaging_config),
-            "average_buffers": local.average_buffers,
+            "average_buffers": local.settings.average_buffers,
             "average_frozen": local.settings.average_frozen,
         }
     else:

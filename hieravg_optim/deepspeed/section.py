@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import AveragingConfig
+from ..config import NONFINITE_POLICIES, AveragingConfig, check_collective_timeout_s, check_nonfinite
 
 __all__ = [
     "SECTION",
@@ -37,6 +37,8 @@ _KEYS = (
     "synchronous_warmup",
     "average_frozen",
     "average_buffers",
+    "collective_timeout_s",
+    "nonfinite",
 )
 
 
@@ -60,6 +62,10 @@ class SectionSettings:
     """Average the module's ``requires_grad=False`` parameters too (default ``false``: never sent, never changed)."""
     average_buffers: bool = True
     """Average the module's floating-point buffers (BatchNorm running statistics) on the same schedule."""
+    collective_timeout_s: float | None = None
+    """Timeout of the averaging subgroups' collectives, in seconds; ``None``: the default group's."""
+    nonfinite: str = "raise"
+    """``"raise"``, ``"skip_replica"`` or ``"ignore"``: what a round does with a non-finite replica."""
 
     def averaging_config(self, ranks_per_replica: int) -> AveragingConfig:
         """The core config, with ``ranks_per_replica`` resolved."""
@@ -70,6 +76,8 @@ class SectionSettings:
                 ranks_per_replica=ranks_per_replica,
                 bucket_cap_mb=self.bucket_cap_mb,
                 synchronous_warmup=self.synchronous_warmup,
+                collective_timeout_s=self.collective_timeout_s,
+                nonfinite=self.nonfinite,
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f'DeepSpeed config section "{SECTION}": {err}') from None
@@ -135,6 +143,16 @@ def parse_section(section: Any) -> SectionSettings:
         flags[key] = section.get(key, default)
         if not isinstance(flags[key], bool):
             raise _bad(key, flags[key], "true or false")
+    timeout = section.get("collective_timeout_s")
+    try:
+        check_collective_timeout_s(timeout)
+    except ValueError:
+        raise _bad("collective_timeout_s", timeout, "a positive number of seconds, or null for the default group's") from None
+    nonfinite = section.get("nonfinite", "raise")
+    try:
+        check_nonfinite(nonfinite)
+    except ValueError:
+        raise _bad("nonfinite", nonfinite, f"one of {list(NONFINITE_POLICIES)}") from None
     settings = SectionSettings(
         enabled=enabled,
         period_group_size=dict(pgs),
@@ -142,6 +160,8 @@ def parse_section(section: Any) -> SectionSettings:
         ranks_per_replica=rpr_value,
         bucket_cap_mb=float(cap),
         **flags,
+        collective_timeout_s=None if timeout is None else float(timeout),
+        nonfinite=nonfinite,
     )
     if enabled:
         # Everything about the levels that needs no world size (periods, group sizes, order).

@@ -77,6 +77,12 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             ``use_orig_params=True`` that mixes frozen and trainable parameters is averaged whole
             (the frozen elements, the same on every replica, stay equal up to rounding): put frozen
             modules in their own FSDP unit to skip them.
+        collective_timeout_s: Timeout of the averaging subgroups' collectives, in seconds; ``None``: the
+            default group's. See :class:`~hieravg_optim.HierarchicalAveragingOptimizer`.
+        nonfinite: ``"raise"`` (default), ``"skip_replica"`` or ``"ignore"``: what a round does when a
+            replica's local shard holds a NaN or an infinity. See
+            :class:`~hieravg_optim.HierarchicalAveragingOptimizer`; the check is per averaging subgroup,
+            that is per shard index.
 
     At construction, every replica's local shards (all FSDP1 flat parameters of the module, or
     all FSDP2 parameters, frozen ones included) are overwritten with those of replica 0, as
@@ -117,6 +123,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         bucket_cap_mb: float = 25.0,
         synchronous_warmup: bool = True,
         average_frozen: bool = False,
+        collective_timeout_s: float | None = None,
+        nonfinite: str = "raise",
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group() first.")
@@ -138,6 +146,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             bucket_cap_mb=bucket_cap_mb,
             synchronous_warmup=synchronous_warmup,
             average_frozen=average_frozen,
+            collective_timeout_s=collective_timeout_s,
+            nonfinite=nonfinite,
         )
         self.averager.broadcast_from_first_replica(self._module_shards())
         if dist.get_rank() == 0:

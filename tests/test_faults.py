@@ -1,0 +1,354 @@
+"""Faults on 4 real gloo ranks with 2 levels ({1: 2, 2: 4}): a rank killed (SIGKILL) or stopped (SIGSTOP)
+during an averaging round, and a replica holding NaN or infinities under each ``nonfinite`` policy.
+
+In the fault tests one rank injects its own fault at a chosen round, after that round's agreement check
+(its peers are then inside the averaging all-reduce): it records the time and kills or stops itself. Every
+survivor records when it raised and with what message, then exits non-zero (the harness's child exits 1 on
+an exception). The test checks every survivor's exit code, message and delay; a rank that hangs is a
+failure (killed at the test's deadline).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from tests.harness import _child, default_timeout, run_distributed, run_scenarios
+
+WORLD = 4
+LEVELS = {1: 2, 2: 4}  # count 1, 3, ...: pairs {0, 1} and {2, 3}; count 0, 2, ...: all four ranks
+pytestmark = pytest.mark.timeout(default_timeout(240))
+
+BOUND_S = 10.0
+"""Survivors must raise within the collective timeout plus this, after the fault."""
+
+
+# -- a dead or hung peer ---------------------------------------------------------------------------
+def _train_until_fault(rank: int, world_size: int, victim: int, fault: str, count: int, timeout_s: float, out: str):
+    """Step until the fault; the victim injects it at the round of step count ``count``."""
+    from hieravg_optim import HierarchicalAveragingOptimizer
+    from hieravg_optim import averager as averager_module
+
+    param = nn.Parameter(torch.full((1000,), float(rank)))
+    opt = HierarchicalAveragingOptimizer(torch.optim.SGD([param], lr=0.0), LEVELS, collective_timeout_s=timeout_s)
+    if rank == victim:
+        original = averager_module.average_tensors_
+
+        def faulty(*args, **kwargs):
+            if opt.averager.step == count:  # the round's agreement is done: the peers are all-reducing
+                with open(os.path.join(out, "fault.json"), "w") as f:
+                    json.dump({"t": time.monotonic()}, f)
+                os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            return original(*args, **kwargs)
+
+        averager_module.average_tensors_ = faulty
+    try:
+        for _ in range(count + 4):
+            opt.step()
+    except RuntimeError as exc:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"t": time.monotonic(), "message": str(exc), "type": type(exc).__name__, "cause": repr(exc.__cause__)}, f)
+        raise
+    raise AssertionError(f"rank {rank} finished {count + 4} steps without noticing the fault")
+
+
+def _run_fault(fault: str, victim: int, count: int, timeout_s: float) -> dict[int, dict]:
+    """Spawn the 4 ranks, wait for every survivor to exit, then kill the victim. Returns what each survivor saw."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="hieravg-faults-") as tmp:
+        args = (victim, fault, count, timeout_s, tmp)
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(_train_until_fault, r, WORLD, os.path.join(tmp, "rendezvous"), args, results, 60.0, {}),
+                daemon=True,
+            )
+            for r in range(WORLD)
+        ]
+        for p in procs:
+            p.start()
+        survivors = [r for r in range(WORLD) if r != victim]
+        deadline = time.monotonic() + default_timeout(60.0) + timeout_s + BOUND_S
+        try:
+            while time.monotonic() < deadline and any(procs[r].is_alive() for r in survivors):
+                time.sleep(0.1)
+            hung = [r for r in survivors if procs[r].is_alive()]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=5.0)
+        assert not hung, f"ranks {hung} still running {deadline:.0f} s after the start: they hang after the {fault}"
+        assert os.path.exists(os.path.join(tmp, "fault.json")), "the victim never reached the round"
+        with open(os.path.join(tmp, "fault.json")) as f:
+            fault_t = json.load(f)["t"]
+        seen = {}
+        for r in survivors:
+            path = os.path.join(tmp, f"rank{r}.json")
+            assert os.path.exists(path), f"rank {r} exited with code {procs[r].exitcode} without a RuntimeError"
+            with open(path) as f:
+                seen[r] = json.load(f)
+            seen[r]["delay"] = seen[r]["t"] - fault_t
+            seen[r]["exitcode"] = procs[r].exitcode
+        return seen
+
+
+def _check_survivors(seen: dict[int, dict], rounds: dict[int, tuple[str, list[int]]], timeout_s: float) -> None:
+    print("delays after the fault, s:", {r: round(s["delay"], 2) for r, s in seen.items()})
+    for r, (round_name, ranks) in rounds.items():
+        s = seen[r]
+        assert s["exitcode"] == 1, (r, s)
+        assert s["type"] == "CollectiveError", (r, s)
+        assert round_name in s["message"], (r, s["message"])
+        assert f"in the group of ranks {ranks}" in s["message"], (r, s["message"])
+        assert "dead or hung peer" in s["message"] and "out of step" in s["message"], (r, s["message"])
+        assert "RuntimeError" in s["cause"], (r, s["cause"])  # chained to gloo's error
+        assert s["delay"] <= timeout_s + BOUND_S, (r, s["delay"], s["message"])
+
+
+def test_killed_rank_at_the_lower_level():
+    """Rank 0 dies in the pair round {0, 1}: rank 1 raises at once; ranks 2 and 3 at their next round with it."""
+    seen = _run_fault("kill", victim=0, count=1, timeout_s=5.0)
+    _check_survivors(
+        seen,
+        {
+            1: ("the averaging round at step 1 (period 1, group size 2)", [0, 1]),
+            2: ("the averaging round at step 2 (period 2, group size 4)", [0, 1, 2, 3]),
+            3: ("the averaging round at step 2 (period 2, group size 4)", [0, 1, 2, 3]),
+        },
+        timeout_s=5.0,
+    )
+    assert "Connection" in seen[1]["message"], seen[1]["message"]  # gloo's closed or reset connection
+    assert seen[1]["delay"] < 5.0, seen[1]  # a dead peer is seen at once, not at the timeout
+
+
+def test_killed_rank_at_the_top_level():
+    seen = _run_fault("kill", victim=3, count=2, timeout_s=5.0)
+    top = ("the averaging round at step 2 (period 2, group size 4)", [0, 1, 2, 3])
+    _check_survivors(seen, {0: top, 1: top, 2: top}, timeout_s=5.0)
+
+
+def test_stopped_rank_is_reported_at_the_collective_timeout():
+    """A hung peer (SIGSTOP: alive, connections open) is seen only at collective_timeout_s, by every survivor."""
+    timeout_s = 3.0
+    seen = _run_fault("stop", victim=2, count=2, timeout_s=timeout_s)
+    top = ("the averaging round at step 2 (period 2, group size 4)", [0, 1, 2, 3])
+    _check_survivors(seen, {0: top, 1: top, 3: top}, timeout_s=timeout_s)
+    first = min(s["delay"] for s in seen.values())
+    assert first >= timeout_s - 1.0, seen  # not before the timeout (minus the time between agreement and stop)
+    assert any("within the group's timeout of 3 s" in s["message"] for s in seen.values()), seen
+
+
+# -- collective_timeout_s and nonfinite, in one world ----------------------------------------------
+def _opt(rank: int, tensors: list[torch.Tensor], **kwargs):
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    params = [nn.Parameter(t) for t in tensors]
+    return HierarchicalAveragingOptimizer(torch.optim.SGD(params, lr=0.0), LEVELS, **kwargs), params
+
+
+def _values(rank: int) -> list[torch.Tensor]:
+    """A bucketed tensor, a transposed (non-contiguous) one and one of 4 MiB, averaged in place without a copy."""
+    v = 2.0 * rank + 2.0  # 2, 4, 6, 8
+    return [torch.full((5,), v), torch.full((3, 4), v).t(), torch.full((1 << 20,), v)]
+
+
+def _scenario_timeouts(rank: int):
+    from hieravg_optim.groups import process_group_timeout
+
+    opt, _ = _opt(rank, _values(rank))
+    pair, top = opt.averager.level_groups
+    assert process_group_timeout(pair.group).total_seconds() == 60.0  # the process group's, not gloo's 30 min
+    assert top.group is torch.distributed.group.WORLD
+    opt, _ = _opt(rank, _values(rank), collective_timeout_s=7)
+    pair, top = opt.averager.level_groups
+    assert process_group_timeout(pair.group).total_seconds() == 7.0
+    assert top.group is not torch.distributed.group.WORLD  # a group of its own, with the timeout
+    assert process_group_timeout(top.group).total_seconds() == 7.0
+
+
+def _scenario_bad_timeout_on_one_rank(rank: int):
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    param = nn.Parameter(torch.zeros(3))
+    try:
+        HierarchicalAveragingOptimizer(
+            torch.optim.SGD([param], lr=0.1), LEVELS, collective_timeout_s=0 if rank == 2 else 5.0
+        )
+    except ValueError as exc:
+        assert rank == 2 and "collective_timeout_s" in str(exc) and "got 0 (int)" in str(exc), exc
+    except RuntimeError as exc:
+        assert rank != 2 and "Rank 2 failed" in str(exc) and "collective_timeout_s" in str(exc), exc
+    else:
+        raise AssertionError("no error for collective_timeout_s=0 on rank 2")
+
+
+def _poison(rank: int, params, bad: dict[int, float]) -> None:
+    if rank in bad:
+        for p in params:
+            p.data[(-1,) * p.dim()] = bad[rank]  # the last element
+
+
+def _expect_nonfinite_error(opt, rank: int, raising: set[int], named: str) -> None:
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        assert rank in raising, (rank, exc)
+        assert "Non-finite values" in str(exc) and named in str(exc), exc
+    else:
+        assert rank not in raising, f"rank {rank}: no error"
+
+
+def _scenario_raise(rank: int):
+    opt, params = _opt(rank, _values(rank))
+    opt.step()  # count 0: top level, all finite: mean 5
+    _poison(rank, params, {1: float("nan")})
+    # Count 1: the pair {0, 1} raises on both ranks, naming rank 1; the pair {2, 3} averages.
+    _expect_nonfinite_error(opt, rank, {0, 1}, "rank [1] (replica [1])")
+    if rank in (2, 3):
+        assert all(torch.equal(p, torch.full_like(p, 5.0)) for p in params)
+    elif rank == 0:
+        assert all(torch.equal(p, torch.full_like(p, 5.0)) for p in params)  # untouched
+
+
+def _scenario_skip_replica(rank: int):
+    opt, params = _opt(rank, _values(rank), nonfinite="skip_replica")
+    _poison(rank, params, {2: float("nan")})
+    opt.step()  # count 0, top level: the mean of ranks 0, 1, 3, given to rank 2 too
+    expected = torch.tensor(2.0 + 4.0 + 8.0) / 3
+    for p in params:
+        assert torch.equal(p, expected.expand_as(p)), (rank, p.view(-1)[:3], p.view(-1)[-1])
+    for p in params:
+        p.data.fill_(2.0 * rank + 2.0)
+    _poison(rank, params, {1: float("inf"), 2: float("-inf"), 3: float("nan")})
+    # Count 1, pairs: {0, 1} gives rank 1 rank 0's values; {2, 3} has no finite replica and raises.
+    _expect_nonfinite_error(opt, rank, {2, 3}, "ranks [2, 3] (replicas [2, 3])")
+    if rank in (0, 1):
+        assert all(torch.equal(p, torch.full_like(p, 2.0)) for p in params), rank
+    opt, params = _opt(rank, _values(rank), nonfinite="skip_replica")  # ranks 2, 3 did not count the failed step
+    _poison(rank, params, {0: float("nan"), 2: float("inf")})
+    opt.averager.average(-1, params)  # top level: the mean of ranks 1 and 3
+    assert all(torch.equal(p, torch.full_like(p, 6.0)) for p in params), rank
+
+
+def _scenario_ignore(rank: int):
+    opt, params = _opt(rank, _values(rank), nonfinite="ignore")
+    _poison(rank, params, {3: float("nan")})
+    opt.step()  # count 0, top level: NaN everywhere, as without a check
+    assert all(bool(p[(-1,) * p.dim()].isnan()) for p in params)
+    assert torch.equal(params[0][:-1], torch.full((4,), 5.0))
+
+
+def _scenario_out_of_step(rank: int):
+    """Rank 0 skips count 1: it waits in the top round of count 2, rank 1 in the pair round of count 1; the
+    ranks 2 and 3 finish their pair round and wait in the top round without rank 1. Everyone raises at the
+    timeout, naming its round. Last scenario: the subgroups are unusable afterwards."""
+    from hieravg_optim.faults import CollectiveError
+
+    opt, _ = _opt(rank, _values(rank), collective_timeout_s=3)
+    opt.step()  # count 0, top level: together
+    if rank == 0:
+        opt.averager.step += 1
+    start = time.monotonic()
+    try:
+        opt.step()
+        opt.step()
+    except CollectiveError as exc:
+        seconds = time.monotonic() - start
+        expected = "step 1 (period 1, group size 2)" if rank == 1 else "step 2 (period 2, group size 4)"
+        assert expected in str(exc) and "out of step" in str(exc), (rank, exc)
+        assert 2.0 <= seconds <= 3 + BOUND_S, (rank, seconds)
+    else:
+        raise AssertionError(f"rank {rank}: no CollectiveError although rank 0 skipped a step")
+
+
+def _run_all(rank: int, world_size: int) -> dict:
+    return run_scenarios(
+        {
+            "timeouts": _scenario_timeouts,
+            "bad_timeout_on_one_rank": _scenario_bad_timeout_on_one_rank,
+            "raise": _scenario_raise,
+            "skip_replica": _scenario_skip_replica,
+            "ignore": _scenario_ignore,
+            "out_of_step": _scenario_out_of_step,  # last: leaves its subgroups unusable
+        },
+        rank,
+    )
+
+
+def test_timeouts_and_nonfinite_policies():
+    run_distributed(_run_all, WORLD, timeout=180, pg_timeout=60)
+
+
+# -- local checks ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "30", True])
+def test_bad_collective_timeout(value):
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    with pytest.raises(ValueError, match=r"collective_timeout_s must be a positive, finite number of seconds") as info:
+        HierarchicalAveragingOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), {1: 1},
+                                       collective_timeout_s=value)  # fmt: skip
+    assert f"got {value!r}" in str(info.value)
+
+
+def test_bad_nonfinite():
+    from hieravg_optim.deepspeed.section import parse_section
+
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    with pytest.raises(ValueError, match=r"nonfinite must be one of \['raise', 'skip_replica', 'ignore'\], got 'skip'"):
+        HierarchicalAveragingOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), {1: 1}, nonfinite="skip")
+    with pytest.raises(ValueError, match=r'key "nonfinite" must be one of'):
+        parse_section({"period_group_size": {"2": 4}, "nonfinite": None})
+    with pytest.raises(ValueError, match=r'key "collective_timeout_s" must be a positive number of seconds'):
+        parse_section({"period_group_size": {"2": 4}, "collective_timeout_s": -5})
+    settings = parse_section({"period_group_size": {"2": 4}, "collective_timeout_s": 20, "nonfinite": "skip_replica"})
+    config = settings.averaging_config(ranks_per_replica=1)
+    assert (config.collective_timeout_s, config.nonfinite) == (20.0, "skip_replica")
+
+
+def test_backend_failures_are_told_from_the_agreement_errors():
+    from hieravg_optim.faults import CollectiveError, is_backend_failure
+
+    gloo = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer."
+    assert is_backend_failure(RuntimeError(gloo))
+    assert is_backend_failure(RuntimeError("[.../unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation"))
+    assert not is_backend_failure(CollectiveError(gloo))  # wrapped once only
+    assert not is_backend_failure(ValueError("Timed out"))
+    # The agreement check's own error, quoting another rank's error that reads like the backend's:
+    assert not is_backend_failure(RuntimeError(f"Rank 2 failed while checking the averaging config: {gloo}"))
+
+
+def test_has_nonfinite():
+    from hieravg_optim.agreement import has_nonfinite
+
+    big = torch.full((4,), 3e38)  # its float32 sum overflows: finite all the same
+    assert not has_nonfinite([big, torch.ones(2, dtype=torch.float16) * 60000, torch.zeros(0)])
+    assert has_nonfinite([big, torch.tensor([1.0, float("nan")])])
+    assert has_nonfinite([torch.tensor([float("-inf")], dtype=torch.bfloat16)])
+    assert not has_nonfinite([torch.arange(3)])  # integer tensors are never averaged
+
+
+def test_deepspeed_initialize_keywords_are_checked_before_any_collective():
+    """Without torch.distributed initialized, the keyword's error is raised as is, before DeepSpeed runs."""
+    import hieravg_optim.deepspeed as hds
+
+    model = nn.Linear(2, 2)
+    section = {"period_group_size": {"2": 4}, "ranks_per_replica": 1, "nonfinite": "ignore"}
+    config = {"train_micro_batch_size_per_gpu": 1, "hierarchical_averaging": section}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r'initialize\(nonfinite=\'raise\'\) differs from the "hierarchical_averaging"'):
+        hds.initialize(model=model, optimizer=opt, config=config, nonfinite="raise")
+    with pytest.raises(ValueError, match=r'key "collective_timeout_s" must be a positive number of seconds.*got 0'):
+        hds.initialize(model=model, optimizer=opt, config=config, collective_timeout_s=0)
+    with pytest.raises(ValueError, match=r"collective_timeout_s=5 given to initialize\(\), but the config has no enabled"):
+        hds.initialize(model=model, optimizer=opt, config={"train_micro_batch_size_per_gpu": 1}, collective_timeout_s=5)
