@@ -196,10 +196,9 @@ def _all_scenarios(rank, world_size):
     return run_scenarios(
         {
             "buffers_zero1_default": lambda r: _buffers_case(r, 1),
-            "buffers_zero2_key_true": lambda r: _buffers_case(r, 2, section_key=True),
             "buffers_zero3_default": lambda r: _buffers_case(r, 3),
             "buffers_zero2_key_false": lambda r: _buffers_case(r, 2, section_key=False),
-            "buffers_zero1_argument_false": lambda r: _buffers_case(r, 1, section_key=True, argument=False),
+            "buffers_zero1_argument_false": lambda r: _buffers_case(r, 1, argument=False),
             "empty_group_scheduler_instance": lambda r: _empty_group_case(r, as_callable=False),
             "empty_group_scheduler_callable": lambda r: _empty_group_case(r, as_callable=True),
             "zero3_branch_per_replica": _zero3_branch_case,
@@ -213,7 +212,7 @@ def results():
     return run_distributed(_all_scenarios, WORLD, timeout=400, pg_timeout=200)
 
 
-@pytest.mark.parametrize("case", ["buffers_zero1_default", "buffers_zero2_key_true", "buffers_zero3_default"])
+@pytest.mark.parametrize("case", ["buffers_zero1_default", "buffers_zero3_default"])
 def test_buffers_are_averaged_over_the_whole_block(results, case):
     for rank, per_rank in enumerate(results):
         r = per_rank[case]
