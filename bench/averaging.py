@@ -13,6 +13,9 @@ processes time, interleaved and in rotating order:
 * ``ours_raw``: :func:`~hieravg_optim.averaging.average_tensors_` alone;
 * ``torch``: ``torch.distributed.algorithms.model_averaging.utils.average_parameters``
   (concatenates into a new model-sized buffer, all-reduces, rebinds ``p.data``);
+* ``ours_coalesced``: ``average_tensors_(..., path="coalesced")``, the GPU path (tensors from
+  4 MiB in place, the rest in one bucket, foreach pack and unpack, SUM then one ``_foreach_div_``),
+  against ``ours_raw`` (``path="auto"``: on CPU the pipelined path): the CPU A/B of the two paths;
 * ``floor``: ``dist.all_reduce`` of one preallocated flat float32 buffer of the model's size.
 
 Each contender has its own copy of the parameters. Time of a round = the slowest
@@ -105,7 +108,18 @@ def _bench_rank(
         def floor():
             dist.all_reduce(flat, group=group)
 
-        contenders = {"ours": ours, "ours_raw": ours_raw, "torch": torch_avg, "floor": floor}
+        coalesced_params = _make(shapes, rank, torch)
+        coalesced_pool = BucketPool()
+
+        def ours_coalesced():
+            with torch.no_grad():
+                average_tensors_(
+                    [p.detach() for p in coalesced_params], group, world_size,
+                    bucket_cap_bytes=int(bucket_mb * 1e6), pool=coalesced_pool, path="coalesced",
+                )
+
+        contenders = {"ours": ours, "ours_raw": ours_raw, "ours_coalesced": ours_coalesced, "torch": torch_avg,
+                      "floor": floor}
         if baseline:
             old = _load_baseline(baseline)
             base_params = _make(shapes, rank, torch)
@@ -137,7 +151,8 @@ def _bench_rank(
                     times[key].append(float(slowest))
             if rep == 0:
                 # Correctness once: every contender holds the exact mean of the ranks.
-                checked = [("ours", ours_params), ("ours_raw", raw_params), ("torch", torch_params)]
+                checked = [("ours", ours_params), ("ours_raw", raw_params), ("ours_coalesced", coalesced_params),
+                           ("torch", torch_params)]
                 if baseline:
                     checked.append(("baseline_raw", base_params))
                 for key, ps in checked:
@@ -293,6 +308,10 @@ def main() -> None:
     for r in rows:
         print(f"fastest rounds: {r['model']} on {r['world_size']} ranks: ours/floor {r['min_ratio_ours_floor']:.2f}, "
               f"ours/torch {r['min_ratio_ours_torch']:.2f}")
+    for r in rows:
+        m = r["median_s"]
+        print(f"A/B paths: {r['model']} on {r['world_size']} ranks: coalesced {m['ours_coalesced']:.3f} s, "
+              f"pipelined {m['ours_raw']:.3f} s (coalesced/pipelined {m['ours_coalesced'] / m['ours_raw']:.2f})")
     for r in rows:
         if "baseline_raw" in r["median_s"]:
             print(f"A/B: {r['model']} on {r['world_size']} ranks: average_tensors_ now / at {r['baseline_rev']}: "

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from .averaging import NodeGroups
 from .config import AveragingConfig
 from .schedule import AveragingLevel
 
-__all__ = ["LevelGroup", "averaging_subgroup_ranks", "build_level_groups"]
+__all__ = ["LevelGroup", "averaging_subgroup_ranks", "build_level_groups", "node_split_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ class LevelGroup:
     """Global ranks of the subgroup, this rank included, in ascending order."""
     group: dist.ProcessGroup | None
     """The process group to all-reduce over; ``None`` when the subgroup is this rank alone."""
+    node: NodeGroups | None = None
+    """The node subgroups when this level averages node-aware (``ranks_per_node`` set and the subgroup
+    spanning several nodes with at least two of its ranks on each); ``None`` for a flat all-reduce."""
 
     @property
     def size(self) -> int:
@@ -62,6 +66,24 @@ def averaging_subgroup_ranks(world_size: int, group_size: int, ranks_per_replica
         for shard in range(s):
             subgroups.append(list(range(block_start + shard, block_start + group_size, s)))
     return subgroups
+
+
+def node_split_ranks(subgroup: list[int], ranks_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Split one averaging subgroup (ranks in the overall group) by node; pure, no collective.
+
+    Returns:
+        ``(local, cross)``: ``local`` holds the subgroup's ranks on each node, node by node;
+        ``cross[j]`` holds the ``j``-th of them on every node. Both are empty when the subgroup lies in
+        one node or has a single rank per node (a flat all-reduce is then as good).
+    """
+    by_node: dict[int, list[int]] = {}
+    for r in subgroup:
+        by_node.setdefault(r // ranks_per_node, []).append(r)
+    local = list(by_node.values())
+    if len(local) < 2 or len(local[0]) < 2:
+        return [], []
+    assert all(len(members) == len(local[0]) for members in local), f"uneven node split of {subgroup}"
+    return local, [list(column) for column in zip(*local)]
 
 
 def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup | None = None) -> list[LevelGroup]:
@@ -107,7 +129,28 @@ def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup
             if my_rank in ranks:
                 mine = ranks
         assert mine is not None, f"rank {my_rank} is in no subgroup of level {level}"
-        result.append(LevelGroup(level=level, ranks=mine, group=cache[mine]))
+        node = None
+        if config.ranks_per_node is not None:
+            for local in averaging_subgroup_ranks(world_size, level.group_size, config.ranks_per_replica):
+                on_node, across = node_split_ranks(local, config.ranks_per_node)
+                for members in on_node + across:
+                    ranks = tuple(sorted(global_ranks[i] for i in members))
+                    if ranks not in cache and (not local_sync or my_rank in ranks):
+                        cache[ranks] = (
+                            pg
+                            if len(ranks) == world_size
+                            else dist.new_group(list(ranks), use_local_synchronization=local_sync)
+                        )
+                mine_local = [m for m in on_node if my_rank in (global_ranks[i] for i in m)]
+                if mine_local:
+                    mine_cross = next(c for c in across if my_rank in (global_ranks[i] for i in c))
+                    node = NodeGroups(
+                        local=cache[tuple(sorted(global_ranks[i] for i in mine_local[0]))],
+                        local_size=len(mine_local[0]),
+                        cross=cache[tuple(sorted(global_ranks[i] for i in mine_cross))],
+                        cross_size=len(mine_cross),
+                    )
+        result.append(LevelGroup(level=level, ranks=mine, group=cache[mine], node=node))
     if my_rank == global_ranks[0]:
         for lg in result:
             logger.info(

@@ -25,6 +25,7 @@ from .checks import (
     rebound_param_error,
     unique_params,
 )
+from .comm_dtype import CommDtype
 from .config import AveragingConfig
 from .inner import (
     GROUP_STEP_KEY,
@@ -114,6 +115,19 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             optimizer with fp32 master weights: the masters, which the next step reads, e.g.
             ``lambda: [inner.state[p]["master_param"] for p in params]``. ``None`` (default):
             the parameters of ``param_groups``.
+        comm_dtype: The dtype tensors travel in when averaging (the *wire dtype*): ``None``
+            (default) sends each tensor in its own dtype, as torch does; one name (``"float32"``,
+            ``"bf16"``, ``"fp16"``, ``"float64"``, or a ``torch.dtype``) for every level; or
+            ``{period: dtype}`` per level, e.g. ``{32: "bf16"}`` to halve the bytes of float32
+            parameters on the slowest level. Tensors keep their dtype; only the summed copy on the
+            wire is rounded. ``"float32"`` sums float16 / bfloat16 tensors in float32. See
+            :mod:`hieravg_optim.comm_dtype` and the error bound in the performance docs.
+        ranks_per_node: Consecutive ranks of ``process_group`` sharing one node, or ``"auto"``
+            (``LOCAL_WORLD_SIZE``, else ``LOCAL_SIZE``). A level whose groups span several nodes then
+            averages node-aware: reduce-scatter inside each node, all-reduce of the shards across nodes,
+            all-gather inside the node, so each node sends the model over the slow link about once per
+            round. ``None`` (default): one flat all-reduce per level. Must divide every group size larger
+            than it, and be a multiple of ``ranks_per_replica``.
 
     Raises:
         ValueError: for an invalid setting, naming it, before any averaging collective; at the
@@ -156,6 +170,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         buffers: Iterable[torch.Tensor] | None = None,
         log_metrics_every: int | None = None,
         tensors_to_average: Callable[[], Iterable[torch.Tensor]] | None = None,
+        comm_dtype: CommDtype = None,
+        ranks_per_node: int | str | None = None,
     ) -> None:
         try:
             if isinstance(optimizer, HierarchicalAveragingOptimizer):
@@ -170,6 +186,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
                 warmup_steps=warmup_steps,
                 ranks_per_replica=ranks_per_replica,
                 bucket_cap_mb=bucket_cap_mb,
+                comm_dtype=comm_dtype,
+                ranks_per_node=ranks_per_node,
             )
             if isinstance(buffers, torch.Tensor):
                 raise TypeError("buffers must be an iterable of tensors, e.g. model.buffers(), got a single Tensor.")

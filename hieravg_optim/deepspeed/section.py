@@ -28,7 +28,15 @@ __all__ = [
 SECTION = "hierarchical_averaging"
 """The top-level key of the DeepSpeed config this adapter reads (and removes before DeepSpeed sees it)."""
 
-_KEYS = ("enabled", "period_group_size", "warmup_steps", "ranks_per_replica", "bucket_cap_mb")
+_KEYS = (
+    "enabled",
+    "period_group_size",
+    "warmup_steps",
+    "ranks_per_replica",
+    "bucket_cap_mb",
+    "comm_dtype",
+    "ranks_per_node",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +53,10 @@ class SectionSettings:
     """Consecutive ranks forming one DeepSpeed data-parallel group; ``None`` = ``"auto"`` (one node)."""
     bucket_cap_mb: float
     """Communication bucket size, in MB (10**6 bytes)."""
+    comm_dtype: Any = None
+    """Wire dtype: one name, or ``{"period": name}``; ``None`` sends each tensor in its own dtype."""
+    ranks_per_node: int | str | None = None
+    """Ranks of one node for node-aware levels (``"auto"``: ``LOCAL_WORLD_SIZE`` / ``LOCAL_SIZE``); ``None``: flat."""
 
     def averaging_config(self, ranks_per_replica: int) -> AveragingConfig:
         """The core config, with ``ranks_per_replica`` resolved."""
@@ -54,6 +66,8 @@ class SectionSettings:
                 warmup_steps=self.warmup_steps,
                 ranks_per_replica=ranks_per_replica,
                 bucket_cap_mb=self.bucket_cap_mb,
+                comm_dtype=self.comm_dtype,
+                ranks_per_node=self.ranks_per_node,
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f'DeepSpeed config section "{SECTION}": {err}') from None
@@ -114,15 +128,23 @@ def parse_section(section: Any) -> SectionSettings:
     cap = section.get("bucket_cap_mb", 25.0)
     if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0:
         raise _bad("bucket_cap_mb", cap, "a positive number (MB)")
+    comm_dtype = section.get("comm_dtype")
+    if comm_dtype is not None and not isinstance(comm_dtype, (str, Mapping)):
+        raise _bad("comm_dtype", comm_dtype, 'a dtype name such as "bf16", or {"period": "bf16"}')
+    rpn = section.get("ranks_per_node")
+    if rpn is not None and rpn != "auto" and (isinstance(rpn, bool) or not isinstance(rpn, numbers.Integral) or rpn <= 0):
+        raise _bad("ranks_per_node", rpn, 'a positive integer (ranks of one node), "auto" or null')
     settings = SectionSettings(
         enabled=enabled,
         period_group_size=dict(pgs),
         warmup_steps=int(warmup),
         ranks_per_replica=rpr_value,
         bucket_cap_mb=float(cap),
+        comm_dtype=dict(comm_dtype) if isinstance(comm_dtype, Mapping) else comm_dtype,
+        ranks_per_node=int(rpn) if isinstance(rpn, numbers.Integral) else rpn,
     )
     if enabled:
-        # Everything about the levels that needs no world size (periods, group sizes, order).
+        # Everything about the levels that needs no world size (periods, group sizes, order, comm_dtype).
         settings.averaging_config(ranks_per_replica=1)
     return settings
 

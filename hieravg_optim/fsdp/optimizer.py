@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from ..agreement import raise_on_every_rank
+from ..comm_dtype import CommDtype
 from ..optimizer import HierarchicalAveragingOptimizer
 from ..schedule import AveragingLevel
 from .mesh import HSDP_FIX, REPLICATE_DIM, SHARD_DIM, check_fsdp1_strategy, check_replicate_shard_mesh
@@ -65,6 +66,11 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         period_group_size_dict: ``{period: group_size}`` in steps and ranks, e.g. ``{4: 2 * S, 32: W}``.
         warmup_steps: Steps that never average (post-local SGD's warm-up).
         bucket_cap_mb: Bucket size, in MB (10**6 bytes).
+        comm_dtype: Wire dtype, one value or ``{period: dtype}``; ``None`` sends each tensor in its own
+            dtype. ``"bf16"`` sends fp32 shards as bfloat16 and keeps them fp32 (see
+            :class:`~hieravg_optim.HierarchicalAveragingOptimizer`).
+        ranks_per_node: Ranks of one node (or ``"auto"``) for node-aware levels; ``None``: flat
+            (see :class:`~hieravg_optim.HierarchicalAveragingOptimizer`).
 
     Raises:
         TypeError: if ``module`` is not sharded with FSDP, or ``mesh`` is not a ``DeviceMesh``.
@@ -92,6 +98,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         warmup_steps: int = 0,
         *,
         bucket_cap_mb: float = 25.0,
+        comm_dtype: CommDtype = None,
+        ranks_per_node: int | str | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group() first.")
@@ -111,6 +119,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             None,
             ranks_per_replica=shards,
             bucket_cap_mb=bucket_cap_mb,
+            comm_dtype=comm_dtype,
+            ranks_per_node=ranks_per_node,
         )
         if dist.get_rank() == 0:
             logger.info(
