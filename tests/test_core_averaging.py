@@ -262,7 +262,11 @@ def _scenario_pipelined_buckets(rank: int) -> dict:
 
     pools = {}
     for cap_mb in (25.0, 0.01, 0.0333):
-        averager = HierarchicalAverager(AveragingConfig.create({2: 2, 4: 4, 8: 8}, bucket_cap_mb=cap_mb))
+        # float32 on the wire: sums of these bfloat16 / float16 values need more bits than their own dtype
+        # (with each tensor's own dtype on the wire, partial sums would round, as in torch).
+        averager = HierarchicalAverager(
+            AveragingConfig.create({2: 2, 4: 4, 8: 8}, bucket_cap_mb=cap_mb, comm_dtype="float32")
+        )
         for level, group_size in enumerate((2, 4, 8)):
             tensors = make()
             layout = [(t.stride(), t.data_ptr()) for t in tensors]
