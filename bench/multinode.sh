@@ -126,7 +126,7 @@ run_mode() {
   wait "$p1" || rc1=$?
   if [ "$rc0" != 0 ] || [ "$rc1" != 0 ] || [ ! -s "$WORK/$mode.json" ]; then
     echo "FAILED: $mode (exit codes $rc0, $rc1; 124 = timeout after ${RUN_TIMEOUT}s)"
-    tail -n 30 "$WORK/$mode.node0.log" "$WORK/$mode.node1.log"
+    grep -v "^\s*$" "$WORK/$mode.node0.log" "$WORK/$mode.node1.log" | grep -B 3 -A 25 -m 4 "Traceback" | head -n 120
     exit 1
   fi
 }

@@ -284,7 +284,7 @@ def _reduce_coalesced(
 
     Large contiguous tensors of their wire dtype are all-reduced in their own storage (no copy);
     the others are packed with one foreach copy per bucket. With ``coalesce`` (NCCL) the
-    all-reduces are issued in one :func:`torch.distributed._coalescing_manager` group; otherwise
+    all-reduces are issued in one :func:`torch.distributed._coalescing_manager` group per dtype; otherwise
     (gloo, whose coalesced all-reduce takes one dtype and copies into one flat buffer) they are
     issued ``async_op=True`` one after the other and waited for together. With ``use_avg`` they use
     ``ReduceOp.AVG``, else ``SUM`` followed by one ``torch._foreach_div_`` by ``divisor``. Packed
@@ -318,10 +318,19 @@ def _reduce_coalesced(
     for t in tensors:
         hand_over(t)
     if coalesce and tensors:
-        with dist._coalescing_manager(group, async_ops=True) as cm:
-            for t in tensors:
-                dist.all_reduce(t, op=op, group=group)
-        cm.wait()
+        # One coalesced group per dtype (NCCL's coalesced all-reduce may require one dtype), all in
+        # flight together; a single-dtype model issues exactly one group.
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        managers = []
+        for same in by_dtype.values():
+            with dist._coalescing_manager(group, async_ops=True) as cm:
+                for t in same:
+                    dist.all_reduce(t, op=op, group=group)
+            managers.append(cm)
+        for cm in managers:
+            cm.wait()
     else:
         works = [dist.all_reduce(t, op=op, group=group, async_op=True) for t in tensors]
         for work in works:
@@ -405,6 +414,7 @@ def average_tensors_(
     path: Path = "auto",
     reduce_op: ReduceOpName = "auto",
     direct_min_bytes: int | None = None,
+    coalesce: bool | None = None,
 ) -> int:
     """Replace every tensor by its mean over ``group`` (or its sum divided by ``divisor``), in place.
 
@@ -434,6 +444,10 @@ def average_tensors_(
             division; ``"auto"``: AVG on NCCL when ``divisor`` is ``None``, else SUM.
         direct_min_bytes: Tensors of their wire dtype of at least this many bytes are all-reduced in
             their own storage; ``None``: the measured default of the device and path.
+        coalesce: Coalesced path: issue the round's all-reduces in one
+            :func:`torch.distributed._coalescing_manager` group per dtype (``True``), or one by one,
+            asynchronously (``False``); ``None``: on NCCL only (gloo's coalesced all-reduce copies
+            into one flat buffer).
 
     Returns:
         The payload this rank all-reduced, in bytes of the wire dtypes.
@@ -493,7 +507,9 @@ def average_tensors_(
             direct.append(t)
         else:
             by_key.setdefault((t.device, w), []).append((t, w))
-    _reduce_coalesced(direct, by_key, group, div, use_avg, bucket_cap_bytes, pool, coalesce=nccl)
+    _reduce_coalesced(
+        direct, by_key, group, div, use_avg, bucket_cap_bytes, pool, coalesce=nccl if coalesce is None else coalesce
+    )
     return payload
 
 

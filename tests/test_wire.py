@@ -78,7 +78,11 @@ def _scenario_paths(rank: int) -> dict:
         ("pipelined", "sum", 0, small, None),
         ("pipelined", "sum", 1 << 30, big, "float32"),
     ]
-    for path, reduce_op, direct, cap, comm in combos:
+    combos = [c + (False,) for c in combos] + [
+        ("coalesced", "sum", 0, small, None, True),  # one coalesced group per dtype, as on NCCL
+        ("coalesced", "sum", 256, big, "bfloat16", True),
+    ]
+    for path, reduce_op, direct, cap, comm, coalesce in combos:
         tensors, flat = _rank_tensors(rank)
         before = [(t.data_ptr(), t.dtype, t.stride()) for t in tensors]
         flat_ptr = flat.data_ptr()
@@ -92,8 +96,9 @@ def _scenario_paths(rank: int) -> dict:
             path=path,
             reduce_op=reduce_op,
             direct_min_bytes=direct,
+            coalesce=coalesce,
         )
-        where = f"path={path} op={reduce_op} direct={direct} cap={cap} comm={comm}"
+        where = f"path={path} op={reduce_op} direct={direct} cap={cap} comm={comm} coalesce={coalesce}"
         for k, (t, e) in enumerate(zip(tensors, _expected(tensors, world))):
             assert torch.equal(t, e), f"{where}: tensor {k} {t} != {e}"
         assert [(t.data_ptr(), t.dtype, t.stride()) for t in tensors] == before, where
@@ -284,7 +289,7 @@ def results() -> list[dict]:
 
 
 def test_every_path_exact(results):
-    assert all(r["paths"]["checked"] == 8 + 2 for r in results)
+    assert all(r["paths"]["checked"] == 10 + 2 for r in results)
 
 
 def test_comm_dtype_rank_values_exact_and_wire_bytes(results):
