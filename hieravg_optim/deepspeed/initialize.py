@@ -74,6 +74,12 @@ def initialize(
       ``LOCAL_SIZE``, the ranks of one node): consecutive ranks that form one DeepSpeed
       data-parallel group (gradients reduced every step, ZeRO partitions within it).
     * ``bucket_cap_mb`` (default 25): communication bucket size, in MB.
+    * ``comm_dtype`` (default: each tensor's own dtype): the dtype tensors travel in, one name
+      (``"float32"``, ``"bf16"``, ``"fp16"``, ``"float64"``) or ``{"period": name}`` per level, e.g.
+      ``{"64": "bf16"}``; ZeRO's fp32 partitions stay fp32, only the wire copy is rounded.
+    * ``ranks_per_node`` (default null: flat): ranks of one node, or ``"auto"``; levels spanning
+      several nodes then average node-aware (reduce-scatter in the node, all-reduce across nodes,
+      all-gather in the node).
     * ``enabled`` (default true): false ignores the section.
 
     The section is removed before the config reaches DeepSpeed. The batch size keys then
