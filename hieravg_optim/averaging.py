@@ -363,8 +363,9 @@ def _reduce_node_aware(
     reduce-scattered over the node into a shard of ``c / m`` elements, the shards are all-reduced
     (SUM) across nodes, gathered back over the node, divided by ``divisor`` and unpacked. Each rank
     sends ``2 (m - 1) / m`` bucket inside its node and ``2 (q - 1) / q / m`` bucket across nodes
-    (``q = node.cross_size``): a node puts about one model across the slow link per round,
-    where a flat ring puts ``m`` times ``2 (n - 1) / n`` of it. Extra memory: one bucket and one shard.
+    (``q = node.cross_size``): each direction of a node's link carries ``2 (q - 1) / q`` times the
+    payload per round (1x for two nodes), where a flat ring over all ``n = q m`` ranks carries
+    ``2 (n - 1) / n`` times it. Extra memory: one bucket and one shard of it.
     """
     m = node.local_size
     for (device, wire), items in packed.items():
