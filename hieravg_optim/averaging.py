@@ -10,7 +10,8 @@ Here every result is written into each tensor's own storage with ``copy_``;
 dtype, shape, strides and storage are kept, and views stay views.
 
 Wire dtype (``comm_dtype``): by default each tensor travels in its own dtype, as in
-torch: bfloat16 tensors are summed in bfloat16, float32 in float32. A level may send
+torch: bfloat16 tensors are summed in bfloat16, float32 in float32; float16, whose sum would
+overflow near 65504, in float32. A level may send
 every floating-point tensor in one dtype instead (``"float32"``: float16 / bfloat16
 summed in float32; ``"bfloat16"``: float32 masters rounded to bfloat16 on the wire
 only). See :mod:`hieravg_optim.comm_dtype`.

@@ -2,7 +2,9 @@
 
 A level's *wire dtype* is the dtype its tensors are all-reduced in. By default it is
 each tensor's own dtype, as in torch's ``average_parameters`` and DDP: bfloat16
-parameters travel as bfloat16, float32 ones as float32. A level may instead send
+parameters travel as bfloat16, float32 ones as float32; float16 ones travel as float32
+(the sum is formed before the division, and float16 overflows at 65504; ``"fp16"``
+sends them as float16). A level may instead send
 every floating-point tensor in one dtype: ``"float32"`` sums float16 and bfloat16
 tensors in float32 (no overflow, no lost low bits, twice the bytes), and
 ``"bfloat16"`` halves the bytes of float32 master weights (ZeRO, FSDP mixed
@@ -105,8 +107,12 @@ def parse_comm_dtype(value: CommDtype, levels: tuple[AveragingLevel, ...]) -> tu
 def wire_dtype(dtype: torch.dtype, comm_dtype: str | None) -> torch.dtype:
     """The dtype a tensor of ``dtype`` travels in, at a level whose wire dtype name is ``comm_dtype``.
 
-    ``None`` (the default) keeps ``dtype``; complex dtypes always keep theirs.
+    ``None`` (the default) keeps ``dtype``, except float16, which travels as float32: the sum is
+    formed before the division, and a float16 sum of a few values near float16's largest (65504)
+    would overflow, where torch's ``average_parameters`` divides first. Complex dtypes always keep theirs.
     """
-    if comm_dtype is None or dtype.is_complex:
+    if dtype.is_complex:
         return dtype
+    if comm_dtype is None:
+        return torch.float32 if dtype == torch.float16 else dtype
     return COMM_DTYPES[comm_dtype]

@@ -116,7 +116,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             ``lambda: [inner.state[p]["master_param"] for p in params]``. ``None`` (default):
             the parameters of ``param_groups``.
         comm_dtype: The dtype tensors travel in when averaging (the *wire dtype*): ``None``
-            (default) sends each tensor in its own dtype, as torch does; one name (``"float32"``,
+            (default) sends each tensor in its own dtype, as torch does, except float16, sent as
+            float32 (its sum, formed before the division, would overflow near 65504); one name (``"float32"``,
             ``"bf16"``, ``"fp16"``, ``"float64"``, or a ``torch.dtype``) for every level; or
             ``{period: dtype}`` per level, e.g. ``{32: "bf16"}`` to halve the bytes of float32
             parameters on the slowest level. Tensors keep their dtype; only the summed copy on the

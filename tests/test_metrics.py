@@ -41,8 +41,8 @@ class _Records(logging.Handler):
 def _model() -> tuple[torch.nn.Module, int]:
     """A model with float32, float16 and float64 tensors, and its payload per round in bytes.
 
-    Each tensor travels in its own dtype (the default ``comm_dtype``): float16 in 2 bytes per element,
-    float32 in 4, float64 in 8.
+    With the default ``comm_dtype``, float16 travels as float32 (4 bytes per element), float32 in 4,
+    float64 in 8.
     """
     torch.manual_seed(0)
     model = torch.nn.Module()
@@ -51,7 +51,7 @@ def _model() -> tuple[torch.nn.Module, int]:
     model.p64 = torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.float64))  # 6 float64
     model.register_buffer("running", torch.zeros(4))  # 4 float32, averaged as a buffer
     model.register_buffer("count", torch.zeros(2, dtype=torch.int64))  # never averaged
-    payload = 55 * 4 + 7 * 2 + 6 * 8 + 4 * 4
+    payload = (55 + 7) * 4 + 6 * 8 + 4 * 4
     return model, payload
 
 

@@ -104,7 +104,8 @@ def _scenario_paths(rank: int) -> dict:
         assert [(t.data_ptr(), t.dtype, t.stride()) for t in tensors] == before, where
         assert flat.data_ptr() == flat_ptr and torch.equal(flat[:24].view(4, 6), tensors[5]), where
         item = {None: 0, "float32": 4, "bfloat16": 2}[comm]
-        sizes = [t.numel() * (item if item and not t.is_complex() else t.element_size()) for t in tensors]
+        own = [4 if t.dtype == torch.float16 else t.element_size() for t in tensors]  # float16 travels as float32
+        sizes = [t.numel() * (item if item and not t.is_complex() else o) for t, o in zip(tensors, own)]
         assert payload == sum(sizes), (where, payload, sum(sizes))
         checked.append(where)
     # A given divisor with SUM (replicas that contribute zeros): sum / divisor, exact.
@@ -294,7 +295,7 @@ def test_every_path_exact(results):
 
 def test_comm_dtype_rank_values_exact_and_wire_bytes(results):
     numel = 33
-    own = numel * (4 + 2 + 2 + 8)
+    own = numel * (4 + 2 + 4 + 8)  # float16 travels as float32 by default
     for r in results:
         assert r["comm_dtype_exact"] == {
             "None": own,
