@@ -13,6 +13,9 @@ processes time, interleaved and in rotating order:
 * ``ours_raw``: :func:`~hieravg_optim.averaging.average_tensors_` alone;
 * ``torch``: ``torch.distributed.algorithms.model_averaging.utils.average_parameters``
   (concatenates into a new model-sized buffer, all-reduces, rebinds ``p.data``);
+* ``ours_coalesced``: ``average_tensors_(..., path="coalesced")``, the GPU path (tensors from
+  4 MiB in place, the rest in one bucket, foreach pack and unpack, SUM then one ``_foreach_div_``),
+  against ``ours_raw`` (``path="auto"``: on CPU the pipelined path): the CPU A/B of the two paths;
 * ``floor``: ``dist.all_reduce`` of one preallocated flat float32 buffer of the model's size;
 * ``ours_unchecked``: ``ours`` with ``nonfinite="ignore"``, and ``nonfinite_check``:
   :func:`~hieravg_optim.agreement.has_nonfinite` alone (local): the cost of the non-finite guard
@@ -120,8 +123,18 @@ def _bench_rank(
         def nonfinite_check():
             assert not has_nonfinite([p.detach() for p in ours_params])
 
+        coalesced_params = _make(shapes, rank, torch)
+        coalesced_pool = BucketPool()
+
+        def ours_coalesced():
+            with torch.no_grad():
+                average_tensors_(
+                    [p.detach() for p in coalesced_params], group, world_size,
+                    bucket_cap_bytes=int(bucket_mb * 1e6), pool=coalesced_pool, path="coalesced",
+                )
+
         contenders = {
-            "ours": ours, "ours_raw": ours_raw, "torch": torch_avg, "floor": floor,
+            "ours": ours, "ours_raw": ours_raw, "ours_coalesced": ours_coalesced, "torch": torch_avg, "floor": floor,
             "ours_unchecked": ours_unchecked, "nonfinite_check": nonfinite_check,
         }
         if baseline:
@@ -156,8 +169,8 @@ def _bench_rank(
             if rep == 0:
                 # Correctness once: every contender holds the exact mean of the ranks.
                 checked = [
-                    ("ours", ours_params), ("ours_raw", raw_params), ("torch", torch_params),
-                    ("ours_unchecked", unchecked_params),
+                    ("ours", ours_params), ("ours_raw", raw_params), ("ours_coalesced", coalesced_params),
+                    ("torch", torch_params), ("ours_unchecked", unchecked_params),
                 ]
                 if baseline:
                     checked.append(("baseline_raw", base_params))
@@ -323,6 +336,9 @@ def main() -> None:
               f"{r['median_s']['ours_unchecked']:.3f} s unchecked (+{100 * r['guard_fraction_of_round']:.1f}%); "
               f"the check alone {r['median_s']['nonfinite_check']:.4f} s ({100 * r['check_fraction_of_round']:.1f}% "
               "of a round); target <= 5%")
+        m = r["median_s"]
+        print(f"A/B paths: {r['model']} on {r['world_size']} ranks: coalesced {m['ours_coalesced']:.3f} s, "
+              f"pipelined {m['ours_raw']:.3f} s (coalesced/pipelined {m['ours_coalesced'] / m['ours_raw']:.2f})")
     for r in rows:
         if "baseline_raw" in r["median_s"]:
             print(f"A/B: {r['model']} on {r['world_size']} ranks: average_tensors_ now / at {r['baseline_rev']}: "

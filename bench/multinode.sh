@@ -12,7 +12,10 @@
 # Runs, one after the other, each as two `torchrun --nnodes 2 --nproc_per_node 2` (one per node):
 #   ddp:  DistributedDataParallel over the 4 ranks (a gradient all-reduce crosses the link every step);
 #   hier: HierarchicalAveragingOptimizer {1: 2, PERIOD: 4} (average inside a node every step,
-#         across nodes every PERIOD steps).
+#         across nodes every PERIOD steps);
+#   hier_node (with MODES="ddp hier hier_node"): the same, the cross-node level node-aware
+#         (ranks_per_node=2: reduce-scatter in the node, all-reduce across, all-gather).
+# MODES (default "ddp hier") picks the runs.
 # Model: a ~19M-parameter MLP on the digits data (bench/multinode_train.py). Reported: wall-clock
 # seconds per step (slowest rank), final training loss and test accuracy of the averaged model.
 # Results: printed, and bench/results/multinode.json.
@@ -123,22 +126,24 @@ run_mode() {
   wait "$p1" || rc1=$?
   if [ "$rc0" != 0 ] || [ "$rc1" != 0 ] || [ ! -s "$WORK/$mode.json" ]; then
     echo "FAILED: $mode (exit codes $rc0, $rc1; 124 = timeout after ${RUN_TIMEOUT}s)"
-    tail -n 30 "$WORK/$mode.node0.log" "$WORK/$mode.node1.log"
+    grep -v "^\s*$" "$WORK/$mode.node0.log" "$WORK/$mode.node1.log" | grep -B 3 -A 25 -m 4 "Traceback" | head -n 120
     exit 1
   fi
 }
 
 LOAD_AT_START="$(cut -d' ' -f1-3 /proc/loadavg)"
-run_mode ddp
-run_mode hier
+MODES="${MODES:-ddp hier}"
+for mode in $MODES; do run_mode "$mode"; done
 
 "$PY" - "$WORK" "$RATE" "$LINK_MBPS" "$LOAD_AT_START" "$ROOT/bench/results/$OUT_NAME" <<'EOF'
 import json, os, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 from _common import environment
 work, rate, mbps, load, out = sys.argv[1:6]
-runs = {m: json.load(open(os.path.join(work, f"{m}.json"))) for m in ("ddp", "hier")}
-d, h = runs["ddp"], runs["hier"]
+runs = {m: json.load(open(os.path.join(work, f"{m}.json")))
+        for m in ("ddp", "hier", "hier_node") if os.path.exists(os.path.join(work, f"{m}.json"))}
+h = runs["hier"]
+d = runs.get("ddp", h)
 print(f"\nTwo nodes x 2 ranks, link {rate} (measured {mbps} Mbit/s), model {d['params'] / 1e6:.1f}M params "
       f"({d['model_bytes'] / 1e6:.0f} MB), {d['steps']} steps, batch {d['batch_per_rank']}/rank; load at start {load}")
 print(f"{'mode':>5} {'levels':>18} | {'s/step mean':>11} {'s/step median':>13} {'total s':>8} | {'final loss':>10} {'test acc %':>10}")
@@ -146,11 +151,17 @@ for m, r in runs.items():
     lv = str(r["levels"]) if r["levels"] else "grad all-reduce"
     print(f"{m:>5} {lv:>18} | {r['seconds_per_step_mean']:11.3f} {r['seconds_per_step_median']:13.3f} "
           f"{r['seconds_total']:8.1f} | {r['final_train_loss_avg_model']:10.4f} {100 * r['final_test_accuracy_avg_model']:10.2f}")
-speedup = d["seconds_per_step_mean"] / h["seconds_per_step_mean"]
-print(f"wall-clock per step, ddp / hier: {speedup:.2f}x")
-if "metrics" in h:
-    for p, m in h["metrics"].items():
-        print(f"hier level period {p}: {m['rounds']} rounds, {m['bytes_sent'] / 1e6:.0f} MB sent by rank 0, {m['seconds']:.1f} s")
+speedup = d["seconds_per_step_mean"] / h["seconds_per_step_mean"] if "ddp" in runs else None
+if speedup is not None:
+    print(f"wall-clock per step, ddp / hier: {speedup:.2f}x")
+for name in ("hier", "hier_node"):
+    for p, m in runs.get(name, {}).get("metrics", {}).items():
+        print(f"{name} level period {p}: {m['rounds']} rounds, {m['bytes_sent'] / 1e6:.0f} MB sent by rank 0, {m['seconds']:.1f} s")
+if "hier_node" in runs:
+    top = max(h["metrics"], key=int)
+    flat_s = h["metrics"][top]["seconds"] / h["metrics"][top]["rounds"]
+    node_s = runs["hier_node"]["metrics"][top]["seconds"] / runs["hier_node"]["metrics"][top]["rounds"]
+    print(f"cross-node round (period {top}), node-aware / flat ring: {node_s:.2f} s / {flat_s:.2f} s = {node_s / flat_s:.2f}")
 env = environment()
 env["load_average_at_start"] = load
 env["command"] = "bench/multinode.sh"

@@ -45,7 +45,7 @@ def build(width: int) -> torch.nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("ddp", "hier"), required=True)
+    parser.add_argument("--mode", choices=("ddp", "hier", "hier_node"), required=True)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--period", type=int, default=16, help="hier: steps between cross-node averaging rounds")
     parser.add_argument("--batch", type=int, default=16)
@@ -67,7 +67,10 @@ def main() -> None:
         levels = None
     else:
         levels = {1: local, args.period: world}
-        net, opt = model, HierarchicalAveragingOptimizer(inner, levels)
+        # hier_node: the cross-node level averages node-aware (reduce-scatter in the node, all-reduce
+        # of the shards across nodes, all-gather in the node); hier: one flat ring over all ranks.
+        rpn = local if args.mode == "hier_node" else None
+        net, opt = model, HierarchicalAveragingOptimizer(inner, levels, ranks_per_node=rpn)
 
     step_s = []
     losses = []

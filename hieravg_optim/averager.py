@@ -30,7 +30,7 @@ try:  # torch >= 2.5
 except ImportError:  # pragma: no cover - torch 2.4
     from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 
-__all__ = ["HierarchicalAverager", "LevelMetrics", "check_log_metrics_every", "local_tensor"]
+__all__ = ["HierarchicalAverager", "LevelMetrics", "bytes_sent", "check_log_metrics_every", "local_tensor"]
 
 logger = logging.getLogger(__package__ + ".optimizer")
 """The metrics of ``log_metrics_every`` go to the ``hieravg_optim.optimizer`` logger, the name documented for it."""
@@ -59,11 +59,21 @@ class LevelMetrics:
     rounds: int = 0
     """Averaging rounds run."""
     payload_bytes: int = 0
-    """Bytes this rank all-reduced (in the accumulation dtype), summed over rounds."""
+    """Bytes this rank all-reduced, in the level's wire dtypes (``comm_dtype``), summed over rounds."""
     bytes_sent: int = 0
-    """Bytes this rank sent, estimated as a ring all-reduce does: ``2 (n - 1) / n`` times the payload."""
+    """Bytes this rank sent, estimated as ring collectives do: ``2 (n - 1) / n`` times the payload for a flat
+    all-reduce; node-aware, ``2 (m - 1) / m`` of it inside the node plus ``2 (q - 1) / (q m)`` across nodes
+    (``m`` ranks per node, ``q`` nodes)."""
     seconds: float = 0.0
     """Wall-clock seconds spent averaging, agreement check included."""
+
+
+def bytes_sent(payload: int, lg: LevelGroup) -> int:
+    """Bytes one rank sends to all-reduce ``payload`` bytes at level ``lg``, as ring collectives do."""
+    if lg.node is None:
+        return 2 * (lg.size - 1) * payload // lg.size
+    m, q = lg.node.local_size, lg.node.cross_size
+    return 2 * (m - 1) * payload // m + 2 * (q - 1) * payload // (q * m)
 
 
 def check_log_metrics_every(value: object) -> None:
@@ -274,10 +284,12 @@ class HierarchicalAverager:
                 bucket_cap_bytes=self.config.bucket_cap_bytes,
                 pool=self.pool,
                 divisor=divisor,
+                comm_dtype=self.config.comm_dtype[level_index] if self.config.comm_dtype else None,
+                node=lg.node,
             )
         metrics.rounds += 1
         metrics.payload_bytes += payload
-        metrics.bytes_sent += 2 * (lg.size - 1) * payload // lg.size
+        metrics.bytes_sent += bytes_sent(payload, lg)
         metrics.seconds += time.perf_counter() - start
 
     @torch.no_grad()

@@ -9,31 +9,52 @@ partitions): the buffer keeps the old values and the average is silently lost.
 Here every result is written into each tensor's own storage with ``copy_``;
 dtype, shape, strides and storage are kept, and views stay views.
 
-Memory: one reusable bucket per (device, accumulation dtype), of at most
-``bucket_cap_mb`` MB, plus, for a non-contiguous tensor, one temporary contiguous
-copy of that tensor. Contiguous tensors of the accumulation dtype at least as large
-as a bucket (on CPU: at least 4 MiB, where copying costs about as much as sending)
-are all-reduced in place, with no copy. A bucket is used as two halves, so that one
-half's all-reduce overlaps packing the other; a half is packed with one ``torch.cat``
-and unpacked with the division by the group size fused into the copy back.
+Wire dtype (``comm_dtype``): by default each tensor travels in its own dtype, as in
+torch: bfloat16 tensors are summed in bfloat16, float32 in float32; float16, whose sum would
+overflow near 65504, in float32. A level may send
+every floating-point tensor in one dtype instead (``"float32"``: float16 / bfloat16
+summed in float32; ``"bfloat16"``: float32 masters rounded to bfloat16 on the wire
+only). See :mod:`hieravg_optim.comm_dtype`.
 
-Accumulation dtype: float16 and bfloat16 tensors are summed in float32 buckets
-(twice the traffic of those tensors, but no overflow and no loss of the low bits
-when summing up to thousands of replicas); the mean is rounded once, back to the
-tensor's dtype. float32 and float64 are summed in their own dtype. The sum is
-divided by the group size after the all-reduce, so means of small integers are exact.
+Two paths, the same results (exact means of small integers in every dtype):
+
+* ``"coalesced"`` (the default on GPUs): contiguous tensors of their wire dtype of at
+  least ``direct_min_bytes`` (1 MiB on GPU) are all-reduced in their own storage, with
+  no copy; the others are packed into one bucket per wire dtype with one foreach copy.
+  All of a round's all-reduces are issued in one coalesced group (NCCL, through
+  :func:`torch.distributed._coalescing_manager`), with ``ReduceOp.AVG`` where the
+  backend has it, else SUM followed by one ``torch._foreach_div_``; the bucket is
+  unpacked with one foreach copy.
+* ``"pipelined"`` (the default on CPU, where it measured faster, see
+  ``bench/averaging.py``): tensors from 4 MiB on are all-reduced in place one by one;
+  the others go through a bucket used as two halves, so that one half's all-reduce
+  overlaps packing the other; a half is packed with one ``torch.cat`` and unpacked with
+  the division fused into the copy back.
+
+A level spanning several nodes may average node-aware (``node``): through the bucket,
+reduce-scatter inside the node, all-reduce of the shards across nodes, all-gather
+inside the node.
+
+Memory: at most one reusable bucket per (device, wire dtype), of at most
+``bucket_cap_mb`` MB (plus one shard of it, node-aware), plus, for a non-contiguous
+tensor reduced in place, one temporary contiguous copy of that tensor. The sum is
+divided by the group size (or a given divisor) after the all-reduce, so means of small
+integers are exact.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from ._handover import hand_over
+from .comm_dtype import COMM_DTYPES, wire_dtype
 
-__all__ = ["BucketPool", "accumulation_dtype", "average_tensors_", "overlaps_itself"]
+__all__ = ["BucketPool", "NodeGroups", "accumulation_dtype", "average_tensors_", "overlaps_itself"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -43,6 +64,13 @@ _PIPELINE_MIN_BYTES = 1 << 20
 _DIRECT_MIN_BYTES_CPU = 4 << 20
 """On CPU, tensors of the accumulation dtype of at least this many bytes are all-reduced in place
 (no copy into a bucket); measured with ``bench/averaging.py`` (gloo, 2 and 4 ranks)."""
+
+
+_DIRECT_MIN_BYTES = {"cpu": 4 << 20, "cuda": 1 << 20}
+"""For the coalesced path: tensors of their wire dtype of at least this many bytes are all-reduced in place."""
+
+_AUTO_PATH: dict[str, Path] = {"cpu": "pipelined"}
+"""The path ``path="auto"`` takes per device type (others: ``"coalesced"``), measured with ``bench/averaging.py``."""
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -79,14 +107,16 @@ class BucketPool:
         self._buffers.clear()
 
 
-def _reduce_packed(packed: list[torch.Tensor], bucket: torch.Tensor, group: dist.ProcessGroup, size: int) -> None:
+def _reduce_packed(
+    packed: list[torch.Tensor], bucket: torch.Tensor, group: dist.ProcessGroup, size: int | float
+) -> None:
     """Average ``packed`` (same accumulation dtype, any strides) through ``bucket``, pipelined.
 
     When the tensors do not fit in half the bucket, the bucket is used as two halves: while
     one half's all-reduce runs (``async_op=True``), the next half is packed; a half is
     unpacked only after its own all-reduce has completed, and is refilled only after that.
     Extra memory stays one bucket. Each half is packed with one ``torch.cat`` and unpacked
-    with the division by ``size`` fused into the copy back (``torch.div(..., out=piece)``).
+    with the division by ``size`` (the divisor) fused into the copy back (``torch.div(..., out=piece)``).
     A non-contiguous tensor is packed from one temporary contiguous copy, copied back once
     the half holding its last piece is unpacked.
     """
@@ -159,6 +189,220 @@ def _reduce_packed(packed: list[torch.Tensor], bucket: torch.Tensor, group: dist
         cur = (cur + 1) % len(slots)
 
 
+@dataclass(frozen=True, slots=True)
+class NodeGroups:
+    """The subgroups of a node-aware level, for this rank (see :func:`hieravg_optim.groups.build_level_groups`).
+
+    The ``n = local_size * cross_size`` ranks of an averaging subgroup are split by node: the
+    ``local_size`` of them on this rank's node form :attr:`local`, and the ``cross_size`` ranks
+    with this rank's index on every node form :attr:`cross`.
+    """
+
+    local: dist.ProcessGroup
+    """This rank's subgroup members on its own node (reduce-scatter and all-gather)."""
+    local_size: int
+    """Ranks in :attr:`local`, at least 2."""
+    cross: dist.ProcessGroup | None
+    """The members with this rank's index on every node (all-reduce of the shards); ``None`` for one node."""
+    cross_size: int
+    """Ranks in :attr:`cross`: the nodes the subgroup spans."""
+
+
+def _flat_pieces(
+    packed: list[tuple[torch.Tensor, torch.dtype]], cap: int, multiple: int = 1
+) -> list[list[tuple[torch.Tensor, int, int, torch.Tensor | None, torch.Tensor]]]:
+    """Split ``packed`` (tensor, wire dtype) into chunks of at most ``cap`` elements.
+
+    Returns per chunk a list of ``(destination, offset, numel, copy_back_to, source)``; a tensor that fits
+    in a chunk is its own destination (any strides: copies handle them), a tensor that straddles chunks
+    is cut into flat slices of itself, or of one temporary contiguous copy when it is not contiguous
+    (``copy_back_to`` is then the tensor, set on its last piece). The cut depends only on the sizes,
+    which the ranks agreed on, never on the strides.
+    """
+    chunks: list[list] = [[]]
+    used = 0
+    for t, _ in packed:
+        n = t.numel()
+        if used + n <= cap:
+            chunks[-1].append((t, used, n, None, t))
+            used += n
+            continue
+        flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
+        start = 0
+        while start < n:
+            if used == cap:
+                chunks.append([])
+                used = 0
+            take = min(n - start, cap - used)
+            last = start + take == n
+            back = t if last and flat.data_ptr() != t.data_ptr() else None
+            chunks[-1].append((flat[start : start + take], used, take, back, flat))
+            used += take
+            start += take
+    return chunks
+
+
+def _pack(chunk: list, bucket: torch.Tensor) -> None:
+    dsts = [bucket[o : o + n].view(d.shape) for d, o, n, _, _ in chunk]
+    torch._foreach_copy_(dsts, [d for d, _, _, _, _ in chunk])
+
+
+def _unpack(chunk: list, bucket: torch.Tensor, divisor: float | None) -> None:
+    """Copy a reduced chunk back with one foreach copy, dividing by ``divisor`` in the wider of the two dtypes.
+
+    Pieces whose dtype is at most as wide as the wire dtype are divided in the bucket, before the copy
+    (one rounding); wider ones (float32 masters sent as bfloat16) after it, in their own dtype.
+    """
+    views = [bucket[o : o + n].view(d.shape) for d, o, n, _, _ in chunk]
+    dsts = [d for d, _, _, _, _ in chunk]
+    if divisor is not None:
+        narrow = [v for v, d in zip(views, dsts) if d.element_size() <= bucket.element_size()]
+        if len(narrow) == len(views):
+            bucket.div_(divisor)
+        elif narrow:
+            torch._foreach_div_(narrow, divisor)
+    torch._foreach_copy_(dsts, views)
+    if divisor is not None:
+        wide = [d for d in dsts if d.element_size() > bucket.element_size()]
+        if wide:
+            torch._foreach_div_(wide, divisor)
+    for _, _, _, back, src in chunk:
+        if back is not None:
+            back.copy_(src.view(back.shape))
+
+
+def _reduce_coalesced(
+    direct: list[torch.Tensor],
+    packed: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, torch.dtype]]],
+    group: dist.ProcessGroup,
+    divisor: float,
+    use_avg: bool,
+    cap_bytes: int,
+    pool: BucketPool,
+    coalesce: bool,
+) -> None:
+    """One round: every ``direct`` tensor in place, and the first bucket of each wire dtype, in one group.
+
+    Large contiguous tensors of their wire dtype are all-reduced in their own storage (no copy);
+    the others are packed with one foreach copy per bucket. With ``coalesce`` (NCCL) the
+    all-reduces are issued in one :func:`torch.distributed._coalescing_manager` group per dtype; otherwise
+    (gloo, whose coalesced all-reduce takes one dtype and copies into one flat buffer) they are
+    issued ``async_op=True`` one after the other and waited for together. With ``use_avg`` they use
+    ``ReduceOp.AVG``, else ``SUM`` followed by one ``torch._foreach_div_`` by ``divisor``. Packed
+    tensors beyond one bucket go through the same bucket in later rounds: extra memory stays one
+    bucket per wire dtype, plus one temporary per non-contiguous direct tensor.
+    """
+    op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
+    chunks = {}
+    buckets = {}
+    for (device, wire), items in packed.items():
+        cap = max(1, cap_bytes // torch.empty((), dtype=wire).element_size())
+        chunks[(device, wire)] = _flat_pieces(items, cap)
+        total = sum(t.numel() for t, _ in items)
+        buckets[(device, wire)] = pool.get(device, wire, min(cap, total))
+    targets: list[torch.Tensor] = []
+    backs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for t in direct:
+        if t.is_contiguous():
+            targets.append(t.detach())  # an alias made here: only the backend adds references to it
+        else:
+            tmp = t.contiguous()
+            targets.append(tmp)
+            backs.append((t, tmp))
+    firsts = []
+    for key, key_chunks in chunks.items():
+        chunk = key_chunks[0]
+        view = buckets[key][: sum(n for _, _, n, _, _ in chunk)]
+        _pack(chunk, view)
+        firsts.append((chunk, view))
+    tensors = targets + [view for _, view in firsts]
+    for t in tensors:
+        hand_over(t)
+    if coalesce and tensors:
+        # One coalesced group per dtype (NCCL's coalesced all-reduce may require one dtype), all in
+        # flight together; a single-dtype model issues exactly one group.
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        managers = []
+        for same in by_dtype.values():
+            with dist._coalescing_manager(group, async_ops=True) as cm:
+                for t in same:
+                    dist.all_reduce(t, op=op, group=group)
+            managers.append(cm)
+        for cm in managers:
+            cm.wait()
+    else:
+        works = [dist.all_reduce(t, op=op, group=group, async_op=True) for t in tensors]
+        for work in works:
+            work.wait()
+    if targets and not use_avg:
+        torch._foreach_div_(targets, divisor)
+    for dst, tmp in backs:
+        dst.copy_(tmp)
+    for chunk, view in firsts:
+        _unpack(chunk, view, None if use_avg else divisor)
+    for key, key_chunks in chunks.items():
+        for chunk in key_chunks[1:]:
+            view = buckets[key][: sum(n for _, _, n, _, _ in chunk)]
+            _pack(chunk, view)
+            hand_over(view)
+            dist.all_reduce(view, op=op, group=group)
+            _unpack(chunk, view, None if use_avg else divisor)
+
+
+def _reduce_node_aware(
+    packed: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, torch.dtype]]],
+    node: NodeGroups,
+    divisor: float,
+    cap_bytes: int,
+    pool: BucketPool,
+) -> None:
+    """Average through the bucket, node-aware: reduce-scatter in the node, all-reduce across, all-gather.
+
+    A bucket of ``c`` elements (padded with zeros to a multiple of ``m = node.local_size``) is
+    reduce-scattered over the node into a shard of ``c / m`` elements, the shards are all-reduced
+    (SUM) across nodes, gathered back over the node, divided by ``divisor`` and unpacked. Each rank
+    sends ``2 (m - 1) / m`` bucket inside its node and ``2 (q - 1) / q / m`` bucket across nodes
+    (``q = node.cross_size``): each direction of a node's link carries ``2 (q - 1) / q`` times the
+    payload per round (1x for two nodes), where a flat ring over all ``n = q m`` ranks carries
+    ``2 (n - 1) / n`` times it. Extra memory: one bucket and one shard of it.
+    """
+    m = node.local_size
+    for (device, wire), items in packed.items():
+        cap = max(m, cap_bytes // torch.empty((), dtype=wire).element_size()) // m * m
+        total = sum(t.numel() for t, _ in items)
+        size = min(cap, -(-total // m) * m)
+        bucket = pool.get(device, wire, size)
+        for chunk in _flat_pieces(items, cap):
+            used = sum(n for _, _, n, _, _ in chunk)
+            padded = -(-used // m) * m
+            view = bucket[:padded]
+            _pack(chunk, view)
+            view[used:].zero_()
+            shard = torch.empty(padded // m, dtype=wire, device=device)
+            hand_over(view)
+            _reduce_scatter(shard, view, node.local)
+            if node.cross is not None:
+                dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=node.cross)
+            _all_gather(view, shard, node.local)
+            _unpack(chunk, view, divisor)
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input, op=dist.ReduceOp.SUM, group=group)
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+Path = Literal["auto", "pipelined", "coalesced"]
+ReduceOpName = Literal["auto", "avg", "sum"]
+
+
 def average_tensors_(
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup,
@@ -166,13 +410,20 @@ def average_tensors_(
     *,
     bucket_cap_bytes: int,
     pool: BucketPool,
-    divisor: int | None = None,
+    comm_dtype: str | None = None,
+    divisor: float | None = None,
+    node: NodeGroups | None = None,
+    path: Path = "auto",
+    reduce_op: ReduceOpName = "auto",
+    direct_min_bytes: int | None = None,
+    coalesce: bool | None = None,
 ) -> int:
-    """Replace every tensor by its mean over ``group``, in place.
+    """Replace every tensor by its mean over ``group`` (or its sum divided by ``divisor``), in place.
 
     .. warning::
         Collective: every rank of ``group`` must call this with tensors of the same
-        number, shapes and dtypes, in the same order (see :func:`hieravg_optim.agreement.check_agreement`).
+        number, shapes and dtypes, in the same order, and the same keyword arguments
+        (see :func:`hieravg_optim.agreement.check_agreement`).
 
     Args:
         tensors: Floating-point (or complex) plain tensors, of any shape and strides; views are fine.
@@ -181,17 +432,41 @@ def average_tensors_(
         group_size: ``group``'s size.
         bucket_cap_bytes: Upper bound of one bucket, in bytes.
         pool: Where the reusable buckets live.
-        divisor: What the sum over ``group`` is divided by; ``None`` (default): ``group_size``. With
-            ranks that contribute zeros (``nonfinite="skip_replica"``), the number of ranks that
-            contribute, so that the result is the mean of their tensors.
+        comm_dtype: The wire dtype name (a key of :data:`hieravg_optim.comm_dtype.COMM_DTYPES`);
+            ``None`` sends each tensor in its own dtype. Tensors are rounded to it on the wire only.
+        divisor: Divide the all-reduced SUM by this instead of ``group_size`` (for a mean over fewer
+            replicas, whose excluded ranks contribute zeros); forces ``ReduceOp.SUM``.
+        node: The node subgroups of ``group`` for a node-aware round (reduce-scatter in the node,
+            all-reduce across nodes, all-gather); ``None`` for one flat all-reduce.
+        path: ``"coalesced"``: large contiguous tensors in place in one group, the rest in one bucket,
+            unpacked with foreach copies; ``"pipelined"``: through a bucket used as two pipelined halves,
+            tensors of at least ``direct_min_bytes`` in place one by one; ``"auto"``: the faster measured
+            one for the device (``bench/averaging.py``, ``bench/gpu_averaging.py``).
+        reduce_op: ``"avg"``: ``ReduceOp.AVG`` (backends that have it, e.g. NCCL); ``"sum"``: SUM then
+            division; ``"auto"``: AVG on NCCL when ``divisor`` is ``None``, else SUM.
+        direct_min_bytes: Tensors of their wire dtype of at least this many bytes are all-reduced in
+            their own storage; ``None``: the measured default of the device and path.
+        coalesce: Coalesced path: issue the round's all-reduces in one
+            :func:`torch.distributed._coalescing_manager` group per dtype (``True``), or one by one,
+            asynchronously (``False``); ``None``: on NCCL only (gloo's coalesced all-reduce copies
+            into one flat buffer).
 
     Returns:
-        The payload this rank all-reduced, in bytes (accumulation dtype).
+        The payload this rank all-reduced, in bytes of the wire dtypes.
 
     Raises:
         TypeError: for a tensor that is not floating point or complex.
+        ValueError: for an unknown ``path``, ``reduce_op`` or ``comm_dtype``, or a non-positive ``divisor``.
     """
-    by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    if path not in ("auto", "pipelined", "coalesced"):
+        raise ValueError(f'path must be "auto", "pipelined" or "coalesced", got {path!r}.')
+    if reduce_op not in ("auto", "avg", "sum"):
+        raise ValueError(f'reduce_op must be "auto", "avg" or "sum", got {reduce_op!r}.')
+    if comm_dtype is not None and comm_dtype not in COMM_DTYPES:
+        raise ValueError(f"comm_dtype must be one of {list(COMM_DTYPES)} or None, got {comm_dtype!r}.")
+    if divisor is not None and not divisor > 0:
+        raise ValueError(f"divisor must be a positive number of replicas, got {divisor!r}.")
+    items: list[tuple[torch.Tensor, torch.dtype]] = []
     for index, t in enumerate(tensors):
         if not (t.is_floating_point() or t.is_complex()):
             raise TypeError(f"Only floating-point tensors can be averaged, got dtype {t.dtype} of shape {tuple(t.shape)}.")
@@ -204,21 +479,73 @@ def average_tensors_(
             )
         if t.numel() == 0:
             continue
-        by_key.setdefault((t.device, accumulation_dtype(t.dtype)), []).append(t)
+        items.append((t, wire_dtype(t.dtype, comm_dtype)))
+    payload = sum(t.numel() * torch.empty((), dtype=w).element_size() for t, w in items)
+    if not items:
+        return payload
+    div = float(group_size if divisor is None else divisor)
+    by_key: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, torch.dtype]]] = {}
+    if node is not None:
+        for t, w in items:
+            by_key.setdefault((t.device, w), []).append((t, w))
+        _reduce_node_aware(by_key, node, div, bucket_cap_bytes, pool)
+        return payload
+    device_type = items[0][0].device.type
+    if path == "auto":
+        path = _AUTO_PATH.get(device_type, "coalesced")
+    if path == "pipelined":
+        _average_pipelined(items, group, div, bucket_cap_bytes, pool, direct_min_bytes)
+        return payload
+    nccl = _backend(group) == "nccl"
+    use_avg = reduce_op == "avg" or (reduce_op == "auto" and nccl and divisor is None)
+    if use_avg and divisor is not None and divisor != group_size:
+        raise ValueError(f'reduce_op="avg" divides by the group size ({group_size}), not divisor={divisor!r}.')
+    threshold = _DIRECT_MIN_BYTES.get(device_type, 1 << 20) if direct_min_bytes is None else direct_min_bytes
+    direct = []
+    for t, w in items:
+        # Whether a tensor is reduced in place depends only on its dtype and size, which the ranks agreed
+        # on (check_agreement), never on its strides: every rank issues the same collectives.
+        if t.dtype == w and t.numel() * t.element_size() >= threshold:
+            direct.append(t)
+        else:
+            by_key.setdefault((t.device, w), []).append((t, w))
+    _reduce_coalesced(
+        direct, by_key, group, div, use_avg, bucket_cap_bytes, pool, coalesce=nccl if coalesce is None else coalesce
+    )
+    return payload
 
-    if divisor is not None:
-        group_size = divisor  # only ever used below to divide the sum
-    payload = 0
+
+def _backend(group: dist.ProcessGroup) -> str:
+    try:
+        return str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError):  # pragma: no cover - a group torch cannot name
+        return ""
+
+
+def _average_pipelined(
+    items: list[tuple[torch.Tensor, torch.dtype]],
+    group: dist.ProcessGroup,
+    divisor: float,
+    bucket_cap_bytes: int,
+    pool: BucketPool,
+    direct_min_bytes: int | None,
+) -> None:
+    """The pipelined path: tensors in place one by one from a size on, the rest through two bucket halves."""
+    by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t, w in items:
+        by_key.setdefault((t.device, w), []).append(t)
     for (device, acc), group_tensors in by_key.items():
         itemsize = torch.empty((), dtype=acc).element_size()
         cap = max(1, bucket_cap_bytes // itemsize)
         # On CPU a copy through the bucket costs about as much as sending the bytes, so tensors
         # from _DIRECT_MIN_BYTES_CPU on are reduced in place; elsewhere (GPU) copies are cheap
         # and fewer, larger collectives win, so only tensors of a whole bucket are.
-        direct = min(cap, max(1, _DIRECT_MIN_BYTES_CPU // itemsize)) if device.type == "cpu" else cap
+        if direct_min_bytes is not None:
+            direct = max(1, direct_min_bytes // itemsize)
+        else:
+            direct = min(cap, max(1, _DIRECT_MIN_BYTES_CPU // itemsize)) if device.type == "cpu" else cap
         packed: list[torch.Tensor] = []
         for t in group_tensors:
-            payload += t.numel() * itemsize
             # Whether a tensor is reduced on its own or packed depends only on its dtype and size,
             # which the ranks agreed on (check_agreement), never on its strides: every rank issues the
             # same collectives even where one holds a transposed view and another a contiguous tensor.
@@ -228,13 +555,13 @@ def average_tensors_(
                     alias = t.detach()
                     hand_over(alias)
                     dist.all_reduce(alias, op=dist.ReduceOp.SUM, group=group)
-                    t.div_(group_size)
+                    t.div_(divisor)
                 else:
                     # One temporary contiguous copy of this tensor, reduced on its own.
                     tmp = t.contiguous()
                     hand_over(tmp)
                     dist.all_reduce(tmp, op=dist.ReduceOp.SUM, group=group)
-                    tmp.div_(group_size)
+                    tmp.div_(divisor)
                     t.copy_(tmp)
                     del tmp
             else:
@@ -244,8 +571,7 @@ def average_tensors_(
         total = sum(t.numel() for t in packed)
         # Sliced to what this call needs: the chunking then depends only on the sizes the ranks
         # agreed on, never on how large this rank's pooled bucket grew in earlier calls.
-        _reduce_packed(packed, pool.get(device, acc, min(cap, total))[: min(cap, total)], group, group_size)
-    return payload
+        _reduce_packed(packed, pool.get(device, acc, min(cap, total))[: min(cap, total)], group, divisor)
 
 
 def overlaps_itself(t: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from .comm_dtype import CommDtype, parse_comm_dtype
 from .schedule import AveragingLevel
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "check_nonfinite",
     "is_int",
     "parse_levels",
+    "resolve_ranks_per_node",
     "warn_at_caller",
 ]
 
@@ -80,6 +82,26 @@ def _as_int(value: object, what: str) -> int:
     if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
         return int(value)
     raise ValueError(f"{what} must be a positive integer, got {value!r} ({type(value).__name__}).")
+
+
+def resolve_ranks_per_node(value: int | str | None) -> int | None:
+    """``ranks_per_node`` as an int or ``None``; ``"auto"`` reads ``LOCAL_WORLD_SIZE``, else ``LOCAL_SIZE``.
+
+    Raises:
+        ValueError: for ``"auto"`` when neither variable holds a positive integer, or another string.
+    """
+    if not isinstance(value, str):
+        return int(value) if is_int(value) else value  # type: ignore[return-value]  # checked in __post_init__
+    if value != "auto":
+        raise ValueError(f'ranks_per_node must be a positive integer, "auto" or None, got {value!r}.')
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):  # torchrun, deepspeed launcher
+        found = os.environ.get(var)
+        if found is not None and found.isdigit() and int(found) > 0:
+            return int(found)
+    raise ValueError(
+        'ranks_per_node="auto" reads the ranks of one node from LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE '
+        "(deepspeed launcher), but neither is set: pass ranks_per_node as a number of ranks."
+    )
 
 
 def parse_levels(
@@ -171,7 +193,18 @@ class AveragingConfig:
     ranks of its block that hold the same shard index."""
 
     bucket_cap_mb: float = 25.0
-    """Upper bound of one communication bucket, in MB (10**6 bytes), per accumulation dtype."""
+    """Upper bound of one communication bucket, in MB (10**6 bytes), per wire dtype."""
+
+    comm_dtype: tuple[str | None, ...] = ()
+    """The wire dtype name of each level, in level order (``None``: each tensor's own dtype); ``()`` when
+    every level sends each tensor in its own dtype. Given as one value or ``{period: dtype}``, see
+    :func:`hieravg_optim.comm_dtype.parse_comm_dtype`."""
+
+    ranks_per_node: int | None = None
+    """Consecutive ranks that share a node (fast links), or ``None`` for a flat all-reduce at every level.
+
+    When set, a level whose groups span several nodes averages node-aware: reduce-scatter inside each
+    node, all-reduce of the shards across nodes, all-gather inside the node."""
 
     synchronous_warmup: bool = False
     """Average at the top level (all replicas) after every warm-up step (counts ``0 .. warmup_steps - 1``).
@@ -197,6 +230,11 @@ class AveragingConfig:
     def __post_init__(self) -> None:
         if not self.levels:
             raise ValueError("levels must not be empty.")
+        if self.ranks_per_node is not None and (not is_int(self.ranks_per_node) or self.ranks_per_node <= 0):
+            raise ValueError(
+                f"ranks_per_node must be a positive integer (ranks of one node), \"auto\" or None, got "
+                f"{self.ranks_per_node!r}."
+            )
         previous = 0
         for level in self.levels:
             if not is_int(level.period) or level.period <= 0:
@@ -214,6 +252,10 @@ class AveragingConfig:
                 raise ValueError(
                     f"Group size {level.group_size!r} of period {level.period} must be a positive integer (ranks)."
                 )
+        comm = self.comm_dtype
+        if isinstance(comm, tuple) and len(comm) in (0, len(self.levels)):  # per level, as stored
+            comm = dict(zip((lv.period for lv in self.levels), comm))
+        object.__setattr__(self, "comm_dtype", parse_comm_dtype(comm, self.levels))
         if not is_int(self.warmup_steps) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative integer (steps), got {self.warmup_steps!r}.")
         if not is_int(self.ranks_per_replica) or self.ranks_per_replica <= 0:
@@ -246,8 +288,14 @@ class AveragingConfig:
         synchronous_warmup: bool = False,
         collective_timeout_s: float | None = None,
         nonfinite: str = "raise",
+        comm_dtype: CommDtype = None,
+        ranks_per_node: int | str | None = None,
     ) -> AveragingConfig:
         """Build a config from torch's ``{period: group_size}`` mapping.
+
+        ``comm_dtype`` is one wire dtype or ``{period: dtype}`` (see :attr:`comm_dtype`);
+        ``ranks_per_node="auto"`` reads ``LOCAL_WORLD_SIZE`` (torchrun), else ``LOCAL_SIZE``
+        (the ``deepspeed`` launcher).
 
         Raises:
             ValueError: naming the offending value, for every invalid setting.
@@ -265,7 +313,27 @@ class AveragingConfig:
                 _as_float(collective_timeout_s) if _is_real(collective_timeout_s) else collective_timeout_s
             ),
             nonfinite=nonfinite,  # type: ignore[arg-type]
+            comm_dtype=comm_dtype,  # type: ignore[arg-type]  # normalized in __post_init__
+            ranks_per_node=resolve_ranks_per_node(ranks_per_node),
         )
+
+    def _check_ranks_per_node(self, world_size: int) -> None:
+        n, s = self.ranks_per_node, self.ranks_per_replica
+        if n is None:
+            return
+        if world_size % n != 0 or n % s != 0:
+            raise ValueError(
+                f"ranks_per_node={n} must divide the size of the process group ({world_size}) and be a multiple of "
+                f"ranks_per_replica={s}: nodes are blocks of ranks_per_node consecutive ranks holding whole replicas. "
+                "Set it to the ranks of one node (LOCAL_WORLD_SIZE), or to None for a flat all-reduce."
+            )
+        for level in self.levels:
+            if level.group_size > n and level.group_size % n != 0:
+                raise ValueError(
+                    f"ranks_per_node={n} must divide group size {level.group_size} of period {level.period}: a level "
+                    "spanning several nodes averages whole nodes node-aware. Change the group size to a multiple of "
+                    f"{n}, or set ranks_per_node=None for a flat all-reduce."
+                )
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -300,6 +368,7 @@ class AveragingConfig:
                     f"Group size {level.group_size} of period {level.period} must be a multiple of "
                     f"ranks_per_replica={s}: a level averages whole replicas."
                 )
+        self._check_ranks_per_node(world_size)
         last = self.levels[-1].group_size
         if last != world_size:
             raise ValueError(

@@ -29,10 +29,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .averaging import NodeGroups
 from .config import AveragingConfig
 from .schedule import AveragingLevel
 
-__all__ = ["LevelGroup", "averaging_subgroup_ranks", "build_level_groups", "process_group_timeout"]
+__all__ = ["LevelGroup", "averaging_subgroup_ranks", "build_level_groups", "node_split_ranks", "process_group_timeout"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class LevelGroup:
     """Global ranks of the subgroup, this rank included, in ascending order."""
     group: dist.ProcessGroup | None
     """The process group to all-reduce over; ``None`` when the subgroup is this rank alone."""
+    node: NodeGroups | None = None
+    """The node subgroups when this level averages node-aware (``ranks_per_node`` set and the subgroup
+    spanning several nodes with at least two of its ranks on each); ``None`` for a flat all-reduce."""
 
     @property
     def size(self) -> int:
@@ -77,6 +81,22 @@ def process_group_timeout(group: dist.ProcessGroup) -> timedelta | None:
         except (AttributeError, RuntimeError, ValueError, TypeError):
             continue
     return None
+def node_split_ranks(subgroup: list[int], ranks_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Split one averaging subgroup (ranks in the overall group) by node; pure, no collective.
+
+    Returns:
+        ``(local, cross)``: ``local`` holds the subgroup's ranks on each node, node by node;
+        ``cross[j]`` holds the ``j``-th of them on every node. Both are empty when the subgroup lies in
+        one node or has a single rank per node (a flat all-reduce is then as good).
+    """
+    by_node: dict[int, list[int]] = {}
+    for r in subgroup:
+        by_node.setdefault(r // ranks_per_node, []).append(r)
+    local = list(by_node.values())
+    if len(local) < 2 or len(local[0]) < 2:
+        return [], []
+    assert all(len(members) == len(local[0]) for members in local), f"uneven node split of {subgroup}"
+    return local, [list(column) for column in zip(*local)]
 
 
 def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup | None = None) -> list[LevelGroup]:
@@ -111,24 +131,45 @@ def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup
     own_timeout = config.collective_timeout_s is not None
     timeout = timedelta(seconds=config.collective_timeout_s) if own_timeout else process_group_timeout(pg)
     cache: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
+    def ensure_group(ranks: tuple[int, ...]) -> None:
+        """Create the group of ``ranks`` once (every rank calls this for every group, in one order)."""
+        if ranks in cache:
+            return
+        if len(ranks) == 1:
+            cache[ranks] = None
+        elif len(ranks) == world_size and not own_timeout:
+            cache[ranks] = pg
+        elif not local_sync:
+            cache[ranks] = dist.new_group(list(ranks), timeout=timeout)
+        elif my_rank in ranks:
+            cache[ranks] = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
+
     result = []
     for level in config.levels:
         mine: tuple[int, ...] | None = None
         for local in averaging_subgroup_ranks(world_size, level.group_size, config.ranks_per_replica):
             ranks = tuple(sorted(global_ranks[i] for i in local))
-            if ranks not in cache:
-                if len(ranks) == 1:
-                    cache[ranks] = None
-                elif len(ranks) == world_size and not own_timeout:
-                    cache[ranks] = pg
-                elif not local_sync:
-                    cache[ranks] = dist.new_group(list(ranks), timeout=timeout)
-                elif my_rank in ranks:
-                    cache[ranks] = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
+            ensure_group(ranks)
             if my_rank in ranks:
                 mine = ranks
         assert mine is not None, f"rank {my_rank} is in no subgroup of level {level}"
-        result.append(LevelGroup(level=level, ranks=mine, group=cache[mine]))
+        node = None
+        if config.ranks_per_node is not None:
+            for local in averaging_subgroup_ranks(world_size, level.group_size, config.ranks_per_replica):
+                on_node, across = node_split_ranks(local, config.ranks_per_node)
+                for members in on_node + across:
+                    ensure_group(tuple(sorted(global_ranks[i] for i in members)))
+                mine_local = [m for m in on_node if my_rank in (global_ranks[i] for i in m)]
+                if mine_local:
+                    mine_cross = next(c for c in across if my_rank in (global_ranks[i] for i in c))
+                    node = NodeGroups(
+                        local=cache[tuple(sorted(global_ranks[i] for i in mine_local[0]))],
+                        local_size=len(mine_local[0]),
+                        cross=cache[tuple(sorted(global_ranks[i] for i in mine_cross))],
+                        cross_size=len(mine_cross),
+                    )
+        result.append(LevelGroup(level=level, ranks=mine, group=cache[mine], node=node))
     if my_rank == global_ranks[0]:
         for lg in result:
             logger.info(

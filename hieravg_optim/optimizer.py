@@ -25,6 +25,7 @@ from .checks import (
     rebound_param_error,
     unique_params,
 )
+from .comm_dtype import CommDtype
 from .config import AveragingConfig
 from .inner import (
     GROUP_STEP_KEY,
@@ -136,6 +137,20 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             and replicas; ``"skip_replica"``: the finite replicas are averaged and the others get their
             mean (a ``RuntimeError`` if none is finite); ``"ignore"``: no check (one non-finite replica
             makes every replica of the group non-finite). The check reads every tensor once.
+        comm_dtype: The dtype tensors travel in when averaging (the *wire dtype*): ``None``
+            (default) sends each tensor in its own dtype, as torch does, except float16, sent as
+            float32 (its sum, formed before the division, would overflow near 65504); one name (``"float32"``,
+            ``"bf16"``, ``"fp16"``, ``"float64"``, or a ``torch.dtype``) for every level; or
+            ``{period: dtype}`` per level, e.g. ``{32: "bf16"}`` to halve the bytes of float32
+            parameters on the slowest level. Tensors keep their dtype; only the summed copy on the
+            wire is rounded. ``"float32"`` sums float16 / bfloat16 tensors in float32. See
+            :mod:`hieravg_optim.comm_dtype` and the error bound in the performance docs.
+        ranks_per_node: Consecutive ranks of ``process_group`` sharing one node, or ``"auto"``
+            (``LOCAL_WORLD_SIZE``, else ``LOCAL_SIZE``). A level whose groups span several nodes then
+            averages node-aware: reduce-scatter inside each node, all-reduce of the shards across nodes,
+            all-gather inside the node, so each node sends the model over the slow link about once per
+            round. ``None`` (default): one flat all-reduce per level. Must divide every group size larger
+            than it, and be a multiple of ``ranks_per_replica``.
 
     Raises:
         ValueError: for an invalid setting, naming it, before any averaging collective; at the
@@ -182,6 +197,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         average_frozen: bool = False,
         collective_timeout_s: float | None = None,
         nonfinite: str = "raise",
+        comm_dtype: CommDtype = None,
+        ranks_per_node: int | str | None = None,
     ) -> None:
         try:
             if isinstance(optimizer, HierarchicalAveragingOptimizer):
@@ -199,6 +216,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
                 synchronous_warmup=synchronous_warmup,
                 collective_timeout_s=collective_timeout_s,
                 nonfinite=nonfinite,
+                comm_dtype=comm_dtype,
+                ranks_per_node=ranks_per_node,
             )
             if not isinstance(average_frozen, bool):
                 raise ValueError(

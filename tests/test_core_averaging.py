@@ -263,7 +263,11 @@ def _scenario_pipelined_buckets(rank: int) -> dict:
 
     pools = {}
     for cap_mb in (25.0, 0.01, 0.0333):
-        averager = HierarchicalAverager(AveragingConfig.create({2: 2, 4: 4, 8: 8}, bucket_cap_mb=cap_mb))
+        # float32 on the wire: sums of these bfloat16 / float16 values need more bits than their own dtype
+        # (with each tensor's own dtype on the wire, partial sums would round, as in torch).
+        averager = HierarchicalAverager(
+            AveragingConfig.create({2: 2, 4: 4, 8: 8}, bucket_cap_mb=cap_mb, comm_dtype="float32")
+        )
         for level, group_size in enumerate((2, 4, 8)):
             tensors = make()
             layout = [(t.stride(), t.data_ptr()) for t in tensors]
@@ -559,7 +563,7 @@ def test_flat_buffer_views_stay_views_unlike_torch(results):
 def test_dtypes_and_non_contiguous_exact(results):
     for r in results:
         pools = r["dtypes_layouts"]["pool_bytes"]
-        assert pools[1e-5] <= 2 * 8  # at most one bucket per accumulation dtype (fp32, fp64), each within 10 bytes
+        assert pools[1e-5] <= 4 * 10  # at most one bucket per wire dtype (fp16, bf16, fp32, fp64), each within 10 bytes
 
 
 def test_contiguity_may_differ_across_ranks(results):

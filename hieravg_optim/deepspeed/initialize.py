@@ -96,6 +96,12 @@ def initialize(
     * ``nonfinite`` (default ``"raise"``): ``"raise"``, ``"skip_replica"`` or ``"ignore"``, what a
       round does when a replica's master weights hold a NaN or an infinity (see
       :class:`~hieravg_optim.HierarchicalAveragingOptimizer`).
+    * ``comm_dtype`` (default: each tensor's own dtype): the dtype tensors travel in, one name
+      (``"float32"``, ``"bf16"``, ``"fp16"``, ``"float64"``) or ``{"period": name}`` per level, e.g.
+      ``{"64": "bf16"}``; ZeRO's fp32 partitions stay fp32, only the wire copy is rounded.
+    * ``ranks_per_node`` (default null: flat): ranks of one node, or ``"auto"``; levels spanning
+      several nodes then average node-aware (reduce-scatter in the node, all-reduce across nodes,
+      all-gather in the node).
     * ``enabled`` (default true): false ignores the section.
 
     ``average_buffers``, ``collective_timeout_s`` and ``nonfinite`` may also be passed as keywords

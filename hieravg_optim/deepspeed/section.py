@@ -39,6 +39,8 @@ _KEYS = (
     "average_buffers",
     "collective_timeout_s",
     "nonfinite",
+    "comm_dtype",
+    "ranks_per_node",
 )
 
 
@@ -66,6 +68,10 @@ class SectionSettings:
     """Timeout of the averaging subgroups' collectives, in seconds; ``None``: the default group's."""
     nonfinite: str = "raise"
     """``"raise"``, ``"skip_replica"`` or ``"ignore"``: what a round does with a non-finite replica."""
+    comm_dtype: Any = None
+    """Wire dtype: one name, or ``{"period": name}``; ``None`` sends each tensor in its own dtype."""
+    ranks_per_node: int | str | None = None
+    """Ranks of one node for node-aware levels (``"auto"``: ``LOCAL_WORLD_SIZE`` / ``LOCAL_SIZE``); ``None``: flat."""
 
     def averaging_config(self, ranks_per_replica: int) -> AveragingConfig:
         """The core config, with ``ranks_per_replica`` resolved."""
@@ -78,6 +84,8 @@ class SectionSettings:
                 synchronous_warmup=self.synchronous_warmup,
                 collective_timeout_s=self.collective_timeout_s,
                 nonfinite=self.nonfinite,
+                comm_dtype=self.comm_dtype,
+                ranks_per_node=self.ranks_per_node,
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f'DeepSpeed config section "{SECTION}": {err}') from None
@@ -153,6 +161,12 @@ def parse_section(section: Any) -> SectionSettings:
         check_nonfinite(nonfinite)
     except ValueError:
         raise _bad("nonfinite", nonfinite, f"one of {list(NONFINITE_POLICIES)}") from None
+    comm_dtype = section.get("comm_dtype")
+    if comm_dtype is not None and not isinstance(comm_dtype, (str, Mapping)):
+        raise _bad("comm_dtype", comm_dtype, 'a dtype name such as "bf16", or {"period": "bf16"}')
+    rpn = section.get("ranks_per_node")
+    if rpn is not None and rpn != "auto" and (isinstance(rpn, bool) or not isinstance(rpn, numbers.Integral) or rpn <= 0):
+        raise _bad("ranks_per_node", rpn, 'a positive integer (ranks of one node), "auto" or null')
     settings = SectionSettings(
         enabled=enabled,
         period_group_size=dict(pgs),
@@ -162,9 +176,11 @@ def parse_section(section: Any) -> SectionSettings:
         **flags,
         collective_timeout_s=None if timeout is None else float(timeout),
         nonfinite=nonfinite,
+        comm_dtype=dict(comm_dtype) if isinstance(comm_dtype, Mapping) else comm_dtype,
+        ranks_per_node=int(rpn) if isinstance(rpn, numbers.Integral) else rpn,
     )
     if enabled:
-        # Everything about the levels that needs no world size (periods, group sizes, order).
+        # Everything about the levels that needs no world size (periods, group sizes, order, comm_dtype).
         settings.averaging_config(ranks_per_replica=1)
     return settings
 

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from ..agreement import raise_on_every_rank
 from ..averager import local_tensor
+from ..comm_dtype import CommDtype
 from ..optimizer import HierarchicalAveragingOptimizer
 from ..schedule import AveragingLevel
 from .mesh import HSDP_FIX, REPLICATE_DIM, SHARD_DIM, check_fsdp1_strategy, check_replicate_shard_mesh
@@ -83,6 +84,11 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             replica's local shard holds a NaN or an infinity. See
             :class:`~hieravg_optim.HierarchicalAveragingOptimizer`; the check is per averaging subgroup,
             that is per shard index.
+        comm_dtype: Wire dtype, one value or ``{period: dtype}``; ``None`` sends each tensor in its own
+            dtype. ``"bf16"`` sends fp32 shards as bfloat16 and keeps them fp32 (see
+            :class:`~hieravg_optim.HierarchicalAveragingOptimizer`).
+        ranks_per_node: Ranks of one node (or ``"auto"``) for node-aware levels; ``None``: flat
+            (see :class:`~hieravg_optim.HierarchicalAveragingOptimizer`).
 
     At construction, every replica's local shards (all FSDP1 flat parameters of the module, or
     all FSDP2 parameters, frozen ones included) are overwritten with those of replica 0, as
@@ -125,6 +131,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         average_frozen: bool = False,
         collective_timeout_s: float | None = None,
         nonfinite: str = "raise",
+        comm_dtype: CommDtype = None,
+        ranks_per_node: int | str | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group() first.")
@@ -148,6 +156,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             average_frozen=average_frozen,
             collective_timeout_s=collective_timeout_s,
             nonfinite=nonfinite,
+            comm_dtype=comm_dtype,
+            ranks_per_node=ranks_per_node,
         )
         self.averager.broadcast_from_first_replica(self._module_shards())
         if dist.get_rank() == 0:
