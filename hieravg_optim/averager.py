@@ -401,11 +401,12 @@ class HierarchicalAverager:
         return {m.period: asdict(m) for m in self._metrics}
 
     def state_dict(self) -> dict[str, Any]:
-        """The averaging state: the step count and, for checking on resume, the levels."""
+        """The averaging state: the step count and, for checking on resume, the levels and the warm-up."""
         return {
             "step": self.step,
             "levels": [[lv.period, lv.group_size] for lv in self.config.levels],
             "warmup_steps": self.config.warmup_steps,
+            "synchronous_warmup": self.config.synchronous_warmup,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -414,6 +415,9 @@ class HierarchicalAverager:
         Raises:
             ValueError: if ``state`` has no ``"step"``, or it is not a non-negative integer (a float,
                 a string, ``None``: never silently truncated or reset).
+
+        Warns (``UserWarning``, at the caller) when the saved levels, ``warmup_steps`` or
+        ``synchronous_warmup`` differ from this averager's: the run continues with the new ones.
         """
         if not isinstance(state, Mapping) or "step" not in state:
             raise ValueError(
@@ -442,6 +446,14 @@ class HierarchicalAverager:
             warn_at_caller(
                 f"Resuming hierarchical averaging at step {self.step} with warmup_steps={self.config.warmup_steps}, "
                 f"but the checkpoint was saved with warmup_steps={saved_warmup}. The new warm-up applies."
+            )
+        saved_sync = state.get("synchronous_warmup")
+        if saved_sync is not None and bool(saved_sync) != self.config.synchronous_warmup:
+            # Warm-up counts average at the top level or not at all: another setting is another schedule.
+            warn_at_caller(
+                f"Resuming hierarchical averaging at step {self.step} with synchronous_warmup="
+                f"{self.config.synchronous_warmup}, but the checkpoint was saved with synchronous_warmup={saved_sync}. "
+                "The new setting applies to the remaining warm-up counts; pass the saved value to keep the schedule."
             )
         self._verify_step_pending = True
 
