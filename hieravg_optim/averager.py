@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from .averaging import BucketPool, average_tensors_
 from .config import AveragingConfig, is_int, warn_at_caller
 from .faults import named_collective
 from .groups import LevelGroup, build_level_groups, process_group_timeout
+from .replica import build_replica_group, replica_any
 from .schedule import AveragingLevel, level_at
 
 try:  # torch >= 2.5
@@ -150,6 +152,8 @@ class HierarchicalAverager:
                 error = exc
             agree_across_ranks("the averaging config", asdict(config), self.process_group, error=error)
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
+        # A sharded replica's ranks decide together whether it is finite (one int64 per round).
+        self._replica_group = build_replica_group(config, self.process_group, self._group_timeout())
         self.step = 0
         """The averaging step count: optimizer steps taken so far (``HierarchicalModelAverager.step``)."""
         self.pool = BucketPool()
@@ -265,7 +269,9 @@ class HierarchicalAverager:
             f"the averaging round at step {self.step} (period {lg.level.period}, group size {lg.level.group_size})"
         )
         with torch.no_grad(), named_collective(round_name, lg.ranks, timeout_s=self._timeout_s(lg)):
-            nonfinite = None if self.config.nonfinite == "ignore" else has_nonfinite(tensors)
+            nonfinite = (
+                None if self.config.nonfinite == "ignore" else replica_any(has_nonfinite(tensors), self._replica_group)
+            )
             bad = check_agreement(
                 tensors,
                 lg.group,
@@ -329,6 +335,12 @@ class HierarchicalAverager:
                 hand_over(t)
                 dist.broadcast(t, src=top.ranks[0], group=top.group)
 
+    def _group_timeout(self) -> timedelta | None:
+        """The timeout of groups created here: ``collective_timeout_s``, else that of the process group."""
+        if self.config.collective_timeout_s is not None:
+            return timedelta(seconds=self.config.collective_timeout_s)
+        return process_group_timeout(self.process_group)
+
     def _timeout_s(self, lg: LevelGroup) -> float | None:
         """The timeout of ``lg``'s group in seconds, for error messages: the configured one, else the group's."""
         if self.config.collective_timeout_s is not None:
@@ -389,11 +401,12 @@ class HierarchicalAverager:
         return {m.period: asdict(m) for m in self._metrics}
 
     def state_dict(self) -> dict[str, Any]:
-        """The averaging state: the step count and, for checking on resume, the levels."""
+        """The averaging state: the step count and, for checking on resume, the levels and the warm-up."""
         return {
             "step": self.step,
             "levels": [[lv.period, lv.group_size] for lv in self.config.levels],
             "warmup_steps": self.config.warmup_steps,
+            "synchronous_warmup": self.config.synchronous_warmup,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -402,6 +415,9 @@ class HierarchicalAverager:
         Raises:
             ValueError: if ``state`` has no ``"step"``, or it is not a non-negative integer (a float,
                 a string, ``None``: never silently truncated or reset).
+
+        Warns (``UserWarning``, at the caller) when the saved levels, ``warmup_steps`` or
+        ``synchronous_warmup`` differ from this averager's: the run continues with the new ones.
         """
         if not isinstance(state, Mapping) or "step" not in state:
             raise ValueError(
@@ -430,6 +446,14 @@ class HierarchicalAverager:
             warn_at_caller(
                 f"Resuming hierarchical averaging at step {self.step} with warmup_steps={self.config.warmup_steps}, "
                 f"but the checkpoint was saved with warmup_steps={saved_warmup}. The new warm-up applies."
+            )
+        saved_sync = state.get("synchronous_warmup")
+        if saved_sync is not None and bool(saved_sync) != self.config.synchronous_warmup:
+            # Warm-up counts average at the top level or not at all: another setting is another schedule.
+            warn_at_caller(
+                f"Resuming hierarchical averaging at step {self.step} with synchronous_warmup="
+                f"{self.config.synchronous_warmup}, but the checkpoint was saved with synchronous_warmup={saved_sync}. "
+                "The new setting applies to the remaining warm-up counts; pass the saved value to keep the schedule."
             )
         self._verify_step_pending = True
 

@@ -16,6 +16,7 @@ Everything here is local (no collective), so a bad value raises on every rank.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Union
 
@@ -82,14 +83,16 @@ def parse_comm_dtype(value: CommDtype, levels: tuple[AveragingLevel, ...]) -> tu
         when every level uses each tensor's own dtype.
 
     Raises:
-        ValueError: naming the value (and the period), for an unknown dtype or a period
-            that is not one of the levels'.
+        ValueError: naming the value (and the period), for an unknown dtype, a period
+            that is not one of the levels', or a period given twice (``{"4": ..., 4: ...}``).
     """
     if isinstance(value, Mapping):
         periods = [lv.period for lv in levels]
         by_period: dict[int, str | None] = {}
+        keys: dict[int, object] = {}
         for key, dtype in value.items():
-            period = key if isinstance(key, int) and not isinstance(key, bool) else None
+            # An int, a numpy integer (as period_group_size accepts), or a string of digits (JSON).
+            period = int(key) if isinstance(key, numbers.Integral) and not isinstance(key, bool) else None
             if isinstance(key, str) and key.strip().isdigit():
                 period = int(key)
             if period not in periods:
@@ -97,6 +100,12 @@ def parse_comm_dtype(value: CommDtype, levels: tuple[AveragingLevel, ...]) -> tu
                     f"comm_dtype key {key!r} must be the period of a level (one of {periods}), as in "
                     f'{{"{periods[-1]}": "bf16"}}.'
                 )
+            if period in keys:
+                raise ValueError(
+                    f"comm_dtype keys {keys[period]!r} and {key!r} both name period {period}: give each period "
+                    "once (the keys of a JSON object are strings, so mix no ints in)."
+                )
+            keys[period] = key
             by_period[period] = _one(dtype, f" of period {period}")
         names = tuple(by_period.get(p) for p in periods)
     else:

@@ -225,7 +225,8 @@ class AveragingConfig:
     nonfinite: Literal["raise", "skip_replica", "ignore"] = "raise"
     """What a round does when a replica's tensors hold a NaN or an infinity: ``"raise"`` on every rank
     of the group, naming the replicas; ``"skip_replica"``: average the finite replicas only and give the
-    others that mean; ``"ignore"``: no check (the non-finite values spread to every replica)."""
+    others that mean; ``"ignore"``: no check (the non-finite values spread to every replica). A sharded replica
+    (``ranks_per_replica > 1``) is non-finite when any of its shards is, in every shard's group."""
 
     def __post_init__(self) -> None:
         if not self.levels:

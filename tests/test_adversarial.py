@@ -152,6 +152,13 @@ def _bad_state_dicts(rank: int, world_size: int) -> dict:
     assert len(mine) == 1 and "saved with warmup_steps=9" in str(mine[0].message), [str(w.message) for w in mine]
     assert mine[0].filename == __file__, mine[0].filename
     assert opt.averaging_step == good["hierarchical_averaging"]["step"]
+    # Another synchronous_warmup: another warm-up schedule, warned about too.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict({**good, "hierarchical_averaging": {**good["hierarchical_averaging"], "synchronous_warmup": True}})
+    mine = [w for w in caught if "synchronous_warmup" in str(w.message)]
+    assert len(mine) == 1 and "saved with synchronous_warmup=True" in str(mine[0].message), [str(w.message) for w in mine]
+    assert good["hierarchical_averaging"]["synchronous_warmup"] is False
     opt.step()  # every rank loaded the same state: the check at the first step passes
     return out
 

@@ -183,3 +183,16 @@ def test_errors_on_every_rank_in_real_processes():
         assert "Ranks disagree on the averaging config" in config_error
         assert "'warmup_steps': 3" in config_error and "'warmup_steps': 4" in config_error
         assert "Ranks disagree on the averaging config" in levels_error
+
+
+def test_comm_dtype_mapping_keys_are_periods_given_once():
+    """A period named twice ({"4": ..., 4: ...}: JSON strings mixed with ints) is a ValueError naming both keys,
+    never the last one silently; numpy integer keys are periods, as in period_group_size."""
+    import numpy as np
+
+    with pytest.raises(ValueError, match=r"comm_dtype keys '4' and 4 both name period 4"):
+        AveragingConfig.create({2: 2, 4: 4}, comm_dtype={"4": "bf16", 4: "fp16"})
+    with pytest.raises(ValueError, match=r"comm_dtype keys 2 and ' 2' both name period 2"):
+        AveragingConfig.create({2: 2, 4: 4}, comm_dtype={2: None, " 2": "bf16"})
+    config = AveragingConfig.create({np.int64(2): 2, 4: 4}, comm_dtype={np.int64(4): "bf16"})
+    assert config.comm_dtype == (None, "bfloat16")

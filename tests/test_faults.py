@@ -240,6 +240,31 @@ def _scenario_skip_replica(rank: int):
     assert all(torch.equal(p, torch.full_like(p, 6.0)) for p in params), rank
 
 
+def _scenario_sharded_replica(rank: int):
+    """ranks_per_replica=2: replicas {0, 1} and {2, 3}; shard 0 is averaged by ranks {0, 2}, shard 1 by
+    {1, 3}. A NaN in one shard of a replica decides for the whole replica, in both shard subgroups."""
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    def make(nonfinite: str):
+        param = nn.Parameter(torch.full((3,), 2.0 * rank + 2.0))  # 2, 4, 6, 8
+        opt = HierarchicalAveragingOptimizer(
+            torch.optim.SGD([param], lr=0.0), {1: WORLD}, ranks_per_replica=2, nonfinite=nonfinite
+        )
+        return opt, param
+
+    opt, param = make("skip_replica")
+    _poison(rank, [param], {0: float("nan")})  # replica 0, shard 0
+    opt.step()
+    # Replica 0 is skipped in both shard subgroups: every rank takes replica 1's shard (6 or 8),
+    # not the mean 6 of shard 1 over both replicas on ranks 1 and 3.
+    assert torch.equal(param, torch.full((3,), 6.0 if rank % 2 == 0 else 8.0)), (rank, param)
+    opt, param = make("raise")
+    _poison(rank, [param], {1: float("inf")})  # replica 0, shard 1
+    # Every rank raises, those of shard 0 too: none averages while the others stop.
+    _expect_nonfinite_error(opt, rank, {0, 1, 2, 3}, "(replica [0])")
+    assert torch.equal(param[:2], torch.full((2,), 2.0 * rank + 2.0)), (rank, param)
+
+
 def _scenario_ignore(rank: int):
     opt, params = _opt(rank, _values(rank), nonfinite="ignore")
     _poison(rank, params, {3: float("nan")})
@@ -279,6 +304,7 @@ def _run_all(rank: int, world_size: int) -> dict:
             "raise": _scenario_raise,
             "skip_replica": _scenario_skip_replica,
             "ignore": _scenario_ignore,
+            "sharded_replica": _scenario_sharded_replica,
             "out_of_step": _scenario_out_of_step,  # last: leaves its subgroups unusable
         },
         rank,
