@@ -8,18 +8,29 @@ world size, naming the section's keys. :func:`load_config` reads a config as Dee
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import NONFINITE_POLICIES, AveragingConfig, check_collective_timeout_s, check_nonfinite
+import torch
+
+from ..config import (
+    NONFINITE_POLICIES,
+    AveragingConfig,
+    check_collective_timeout_s,
+    check_nonfinite,
+    is_int,
+    warn_at_caller,
+)
 
 __all__ = [
     "SECTION",
     "SectionSettings",
     "check_world_size",
+    "outer_optimizer_class",
     "load_config",
     "parse_section",
     "resolve_ranks_per_replica",
@@ -41,6 +52,8 @@ _KEYS = (
     "nonfinite",
     "comm_dtype",
     "ranks_per_node",
+    "outer_optimizer",
+    "outer_state_device",
 )
 
 
@@ -72,6 +85,22 @@ class SectionSettings:
     """Wire dtype: one name, or ``{"period": name}``; ``None`` sends each tensor in its own dtype."""
     ranks_per_node: int | str | None = None
     """Ranks of one node for node-aware levels (``"auto"``: ``LOCAL_WORLD_SIZE`` / ``LOCAL_SIZE``); ``None``: flat."""
+    outer_optimizer: Mapping[int, Mapping[str, Any]] | None = None
+    """``{period: {"type": name, "params": {...}}}``, checked, keys as ints and ``type`` as the ``torch.optim``
+    class name (e.g. ``"SGD"`` for ``"sgd"``); ``None``: every level averages."""
+    outer_state_device: str | None = None
+    """Where anchors and outer optimizer state live (e.g. ``"cpu"``); ``None``: with the master weights."""
+
+    def outer_optimizers(self) -> dict[int, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]:
+        """The outer optimizer factories of :attr:`outer_optimizer`, ``{period: factory}``.
+
+        ``factory(tensors)`` is ``cls(tensors, **params)``, ``cls`` the ``torch.optim`` class named by
+        ``type``: the ``outer_optimizers`` argument of :class:`~hieravg_optim.HierarchicalAverager`.
+        """
+        return {
+            period: functools.partial(getattr(torch.optim, spec["type"]), **spec["params"])
+            for period, spec in (self.outer_optimizer or {}).items()
+        }
 
     def averaging_config(self, ranks_per_replica: int) -> AveragingConfig:
         """The core config, with ``ranks_per_replica`` resolved."""
@@ -167,6 +196,19 @@ def parse_section(section: Any) -> SectionSettings:
     rpn = section.get("ranks_per_node")
     if rpn is not None and rpn != "auto" and (isinstance(rpn, bool) or not isinstance(rpn, numbers.Integral) or rpn <= 0):
         raise _bad("ranks_per_node", rpn, 'a positive integer (ranks of one node), "auto" or null')
+    outer = section.get("outer_optimizer")
+    outer_keys: dict[int, Any] = {}  # period -> its key as written, for the messages below
+    outer_parsed = None if outer is None else _parse_outer_optimizer(outer, outer_keys)
+    device = section.get("outer_state_device")
+    if device is not None:
+        try:
+            if not isinstance(device, str):
+                raise TypeError
+            torch.device(device)
+        except (TypeError, RuntimeError):
+            raise _bad(
+                "outer_state_device", device, 'a torch device name such as "cpu", or null (with the master weights)'
+            ) from None
     settings = SectionSettings(
         enabled=enabled,
         period_group_size=dict(pgs),
@@ -178,11 +220,132 @@ def parse_section(section: Any) -> SectionSettings:
         nonfinite=nonfinite,
         comm_dtype=dict(comm_dtype) if isinstance(comm_dtype, Mapping) else comm_dtype,
         ranks_per_node=int(rpn) if isinstance(rpn, numbers.Integral) else rpn,
+        outer_optimizer=outer_parsed or None,
+        outer_state_device=device,
     )
     if enabled:
         # Everything about the levels that needs no world size (periods, group sizes, order, comm_dtype).
-        settings.averaging_config(ranks_per_replica=1)
+        config = settings.averaging_config(ranks_per_replica=1)
+        periods = [lv.period for lv in config.levels]
+        for period in outer_parsed or {}:
+            if period not in periods:
+                raise ValueError(
+                    f'DeepSpeed config section "{SECTION}": key "outer_optimizer" has period {outer_keys[period]!r}, '
+                    f'which is not a period of "period_group_size" (one of {[str(p) for p in periods]}). Give the '
+                    f'outer optimizer of a level under its period, e.g. {{"{periods[-1]}": {{"type": "SGD", '
+                    '"params": {"lr": 0.7, "momentum": 0.9, "nesterov": true}}}.'
+                )
+        if device is not None and not outer_parsed:
+            warn_at_caller(
+                f'DeepSpeed config section "{SECTION}": "outer_state_device": {device!r} has no effect without '
+                '"outer_optimizer" (no level keeps anchors). Remove it, or add an "outer_optimizer".'
+            )
     return settings
+
+
+def _torch_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
+    """The optimizer classes of ``torch.optim``, by name (``Optimizer`` itself left out)."""
+    return {
+        name: obj
+        for name in dir(torch.optim)
+        if isinstance(obj := getattr(torch.optim, name), type)
+        and issubclass(obj, torch.optim.Optimizer)
+        and obj is not torch.optim.Optimizer
+    }
+
+
+def outer_optimizer_class(name: Any) -> type[torch.optim.Optimizer]:
+    """The ``torch.optim`` class an ``"outer_optimizer"`` ``type`` names.
+
+    As DeepSpeed's ``"optimizer": {"type": ...}``, the name is matched exactly first (``"SGD"``,
+    ``"AdamW"``), then without regard to case (``"sgd"``, ``"adamw"``), as DeepSpeed matches the names
+    of its own optimizers. It is always the ``torch.optim`` class, never DeepSpeed's fused or CPU
+    Adam: ``"Adam"`` is :class:`torch.optim.Adam` (L2 weight decay); for decoupled weight decay, as
+    DeepSpeed's ``"Adam"`` does by default, name ``"AdamW"``.
+
+    Raises:
+        ValueError: naming the value and the classes of ``torch.optim``, for anything else.
+    """
+    classes = _torch_optimizers()
+    if isinstance(name, str):
+        if name in classes:
+            return classes[name]
+        folded = [c for c in classes if c.lower() == name.lower()]
+        if len(folded) == 1:
+            return classes[folded[0]]
+    raise ValueError(f"must name an optimizer class of torch.optim, one of {sorted(classes)}, got {name!r}")
+
+
+def _parse_outer_optimizer(value: Any, keys: dict[int, Any]) -> dict[int, dict[str, Any]]:
+    """``"outer_optimizer"`` as ``{period: {"type": class name, "params": dict}}``; ``keys`` gets each period's key.
+
+    Each entry is tried on a dummy fp32 tensor (built, then stepped once with a zero gradient), so
+    that params the class rejects, or a class that cannot step without a closure (``LBFGS``), fail here,
+    on every rank, and not at the first averaging round.
+    """
+    example = '{"64": {"type": "SGD", "params": {"lr": 0.7, "momentum": 0.9, "nesterov": true}}}'
+    if not isinstance(value, Mapping):
+        raise _bad("outer_optimizer", value, f"a JSON object {{\"period\": {{\"type\", \"params\"}}}}, e.g. {example}")
+    out: dict[int, dict[str, Any]] = {}
+    for key, spec in value.items():
+        where = f'DeepSpeed config section "{SECTION}": key "outer_optimizer", period {key!r}'
+        period = int(key) if is_int(key) else int(key) if isinstance(key, str) and key.strip().isdigit() else None
+        if period is None or period <= 0:
+            raise ValueError(
+                f"{where}: the key must be a period of \"period_group_size\" (a positive integer, a string in "
+                f"JSON), e.g. {example}."
+            )
+        if period in keys:
+            raise ValueError(
+                f"{where}: period {period} is given twice ({keys[period]!r} and {key!r}); give each period once."
+            )
+        keys[period] = key
+        if not isinstance(spec, Mapping):
+            raise ValueError(
+                f'{where} must be a JSON object {{"type": ..., "params": {{...}}}}, got {spec!r} '
+                f"({type(spec).__name__}), e.g. {example}."
+            )
+        unknown = [k for k in spec if k not in ("type", "params")]
+        if unknown:
+            raise ValueError(
+                f'{where}: unknown key {unknown[0]!r}; the keys are "type" (a torch.optim class) and "params" (its '
+                "keyword arguments), as in DeepSpeed's \"optimizer\" section."
+            )
+        if "type" not in spec:
+            raise ValueError(f'{where}: "type" is required, the torch.optim class, e.g. {example}.')
+        try:
+            cls = outer_optimizer_class(spec["type"])
+        except ValueError as err:
+            raise ValueError(f'{where}: "type" {err}.') from None
+        params = spec.get("params", {})
+        if not isinstance(params, Mapping) or not all(isinstance(k, str) for k in params):
+            raise ValueError(
+                f'{where}: "params" must be a JSON object of torch.optim.{cls.__name__} keyword arguments, got '
+                f"{params!r} ({type(params).__name__})."
+            )
+        params = dict(params)
+        dummy = torch.zeros(2)
+        try:
+            optimizer = cls([dummy], **params)
+        except Exception as err:  # noqa: BLE001 - whatever the class raises, reported with the key
+            if not _builds(cls):
+                raise ValueError(
+                    f"{where}: torch.optim.{cls.__name__} cannot be an outer optimizer: it rejects a flat 1-D fp32 "
+                    f"tensor, as ZeRO partitions are ({type(err).__name__}: {err}). Use e.g. SGD, Adam or AdamW."
+                ) from None
+            raise ValueError(
+                f'{where}: torch.optim.{cls.__name__} rejects "params" {params!r}: {type(err).__name__}: {err}'
+            ) from None
+        try:
+            dummy.grad = torch.zeros_like(dummy)
+            optimizer.step()
+        except Exception as err:  # noqa: BLE001
+            raise ValueError(
+                f"{where}: torch.optim.{cls.__name__} cannot be an outer optimizer: its step() without a closure, "
+                f"on a dense fp32 tensor, failed with {type(err).__name__}: {err}. Use e.g. SGD, Adam or AdamW."
+            ) from None
+        out[period] = {"type": cls.__name__, "params": params}
+    return out
 
 
 def _auto_ranks_per_replica_source() -> str:
@@ -270,3 +433,12 @@ def _read_config(config: Any) -> dict[str, Any]:
         ) from None
 
 
+
+
+def _builds(cls: type[torch.optim.Optimizer]) -> bool:
+    """Whether ``cls`` accepts a flat 1-D fp32 tensor with its default arguments."""
+    try:
+        cls([torch.zeros(2)])
+    except Exception:  # noqa: BLE001
+        return False
+    return True
