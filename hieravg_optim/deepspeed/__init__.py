@@ -39,7 +39,7 @@ The modules: :mod:`~hieravg_optim.deepspeed.section` (the config section),
 ``import deepspeed`` is DeepSpeed itself (absolute imports).
 """
 
-from .checkpoint import CHECKPOINT_KEY, replica_checkpoint_dir
+from .checkpoint import CHECKPOINT_KEY, outer_state_file, replica_checkpoint_dir
 from .engine import DeepSpeedAveraging, get_averaging
 from .initialize import initialize
 from .mpu import ReplicaParallelUnit
@@ -53,6 +53,7 @@ __all__ = [
     "SectionSettings",
     "get_averaging",
     "initialize",
+    "outer_state_file",
     "parse_section",
     "replica_checkpoint_dir",
 ]

@@ -20,6 +20,7 @@ from ..averager import HierarchicalAverager
 from ..averaging import average_tensors_
 from ..config import AveragingConfig
 from ..faults import named_collective
+from ..outer import OuterFactory
 from .checkpoint import wrap_checkpoints
 from .mpu import ReplicaParallelUnit
 
@@ -84,6 +85,14 @@ class DeepSpeedAveraging:
 
     Optimizer state (Adam moments) is not averaged, as in torch's ``PostLocalSGDOptimizer``.
 
+    Outer optimizers (DiLoCo, https://arxiv.org/abs/2311.08105; ``docs/outer.md``): a level with
+    one keeps an fp32 anchor of each tensor of :meth:`tensors_to_average`, this rank's partition
+    (sharded as the masters are: 1 / ``ranks_per_replica`` of the model under ZeRO 1-3), plus the
+    outer optimizer's state. Its rounds average, step the anchors with ``anchor - mean`` and copy
+    them into the masters, all before DeepSpeed's routine pushes the masters into the module. The
+    anchors are taken after the broadcast from replica 0 (``warmup_steps`` 0) or right after the
+    last warm-up count. Buffers and frozen parameters averaged with the masters get anchors too.
+
     Buffers: DeepSpeed never synchronises module buffers (not at initialisation, not in
     training), so BatchNorm running statistics differ between all ranks. With
     ``average_buffers`` (the default of :func:`~hieravg_optim.deepspeed.initialize`), every
@@ -112,6 +121,13 @@ class DeepSpeedAveraging:
             ``False`` leaves them as DeepSpeed does (local to each rank).
         average_frozen: Also average the module's parameters with ``requires_grad=False`` (the
             section's ``"average_frozen"``); ``False`` (default) leaves them untouched and unsent.
+        outer_optimizers: ``{period: factory}``, the outer optimizer of each level that has one (the
+            section's ``"outer_optimizer"``), as :class:`~hieravg_optim.HierarchicalAverager` takes it:
+            ``factory(tensors)`` builds a ``torch.optim.Optimizer`` over that level's anchors, fp32 copies
+            of :meth:`tensors_to_average` (this rank's master partitions, sharded as they are). See
+            ``docs/outer.md`` and :meth:`take_anchors`.
+        outer_state_device: Where anchors and outer optimizer state live (the section's
+            ``"outer_state_device"``, e.g. ``"cpu"``); ``None``: with the master weights.
 
     Raises:
         NotImplementedError: for ``average_frozen=True`` under ZeRO-3 with a frozen parameter in the
@@ -132,6 +148,8 @@ class DeepSpeedAveraging:
         agreed: bool = False,
         average_buffers: bool = False,
         average_frozen: bool = False,
+        outer_optimizers: Mapping[int | str, OuterFactory] | None = None,
+        outer_state_device: str | torch.device | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -152,7 +170,9 @@ class DeepSpeedAveraging:
                 f"{backend!r}, which cannot all-reduce CPU tensors. Turn off offload_optimizer, or initialise "
                 'torch.distributed with a CPU-capable backend such as "cpu:gloo,cuda:nccl".'
             )
-        self.averager = HierarchicalAverager(config, agreed=agreed)
+        self.averager = HierarchicalAverager(
+            config, agreed=agreed, outer_optimizers=outer_optimizers, outer_state_device=outer_state_device
+        )
         self.buffers: list[torch.Tensor] = (
             [b.detach() for b in engine.module.buffers() if b.is_floating_point()] if average_buffers else []
         )
@@ -267,10 +287,19 @@ class DeepSpeedAveraging:
         """
         index = self.averager.step_and_average(self.tensors_to_average, context=self._frozen_context)
         if index is not None:
-            if self.averager.level_groups[index].group is not None:
+            if self._round_changes_masters(index):
                 self.push_to_module()
             self._average_buffers_in_replica()
         return index
+
+    def _round_changes_masters(self, level_index: int) -> bool:
+        """Whether a round at ``level_index`` may have changed the master weights (then they are pushed).
+
+        A level with other ranks to average with does; so does a level with an outer optimizer even
+        without (its step moves the weights from the anchor, as a Lookahead optimizer does).
+        """
+        lg = self.averager.level_groups[level_index]
+        return lg.group is not None or lg.level.period in self.averager.outer_periods
 
     @torch.no_grad()
     def _average_buffers_in_replica(self) -> None:
@@ -302,7 +331,7 @@ class DeepSpeedAveraging:
             Collective over this rank's subgroup at that level and over its replica.
         """
         self.averager.average(level_index, self.tensors_to_average(), context=self._frozen_context())
-        if self.averager.level_groups[level_index].group is not None:
+        if self._round_changes_masters(level_index):
             self.push_to_module()
         self._average_buffers_in_replica()
 
@@ -312,16 +341,37 @@ class DeepSpeedAveraging:
 
         Broadcasts the master weights and the frozen parameters (:meth:`frozen_module_tensors`) with
         :meth:`HierarchicalAverager.broadcast_from_first_replica <hieravg_optim.HierarchicalAverager.broadcast_from_first_replica>`,
-        then pushes the masters into the module.
+        then pushes the masters into the module. With outer optimizers and no warm-up, then takes
+        the anchors (:meth:`take_anchors`), so that they are replica 0's weights on every replica.
 
         .. warning::
             Collective over the default process group.
         """
         self.averager.broadcast_from_first_replica(self.master_tensors() + self.frozen_module_tensors())
         self.push_to_module()
+        if self.averager.has_outer and self.config.warmup_steps == 0:
+            self.take_anchors()
+
+    def take_anchors(self) -> None:
+        """Set the anchor of every level with an outer optimizer to the current :meth:`tensors_to_average`.
+
+        :meth:`HierarchicalAverager.take_anchors <hieravg_optim.HierarchicalAverager.take_anchors>` over
+        this rank's master partitions (and, as averaged, frozen parameters and buffers): an fp32 copy
+        of each, on ``outer_state_device`` or with the tensor, and a fresh outer optimizer over them.
+        Called by :meth:`broadcast_from_first_replica` when ``warmup_steps`` is 0; with a warm-up the
+        averager takes them itself after the last warm-up count. Local: no collective.
+        """
+        self.averager.take_anchors(self.tensors_to_average())
+
+    def _outer_state_location(self) -> torch.device:
+        """Where this rank's anchors live: ``outer_state_device``, else with the master weights."""
+        device = self.averager.outer_state_device
+        return device if device is not None else self.master_tensors()[0].device
 
     def state_dict(self) -> dict[str, Any]:
-        """The averaging state saved in checkpoints (step count, levels, warm-up)."""
+        """The averaging state saved in checkpoints (step count, levels, warm-up; anchors and outer optimizer
+        state of each level with an outer optimizer, see :meth:`HierarchicalAverager.state_dict
+        <hieravg_optim.HierarchicalAverager.state_dict>`)."""
         return self.averager.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

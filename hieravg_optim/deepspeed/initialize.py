@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..agreement import agree_across_ranks, raise_on_every_rank
 from ..config import AveragingConfig, warn_at_caller
 from ..optimizer import HierarchicalAveragingOptimizer
+from ..outer import OuterFactory
 from .engine import DeepSpeedAveraging, attach, keep_trace_checks_in_replica
 from .mpu import ReplicaParallelUnit
 from .section import (
@@ -102,6 +103,15 @@ def initialize(
     * ``ranks_per_node`` (default null: flat): ranks of one node, or ``"auto"``; levels spanning
       several nodes then average node-aware (reduce-scatter in the node, all-reduce across nodes,
       all-gather in the node).
+    * ``outer_optimizer`` (default: none): ``{"period": {"type": name, "params": {...}}}``, an outer
+      optimizer for that level (DiLoCo, https://arxiv.org/abs/2311.08105), in the form of DeepSpeed's
+      ``"optimizer"`` section: ``type`` names a ``torch.optim`` class (``"SGD"``; also without regard to
+      case, ``"sgd"``), ``params`` its keyword arguments, e.g. ``{"64": {"type": "SGD", "params":
+      {"lr": 0.7, "momentum": 0.9, "nesterov": true}}}``. That level's round then takes one step of
+      it on ``anchor - mean`` of this rank's fp32 master partitions (see ``docs/outer.md``); the
+      levels without an entry average.
+    * ``outer_state_device`` (default null: with the master weights): ``"cpu"`` keeps the anchors and
+      the outer optimizer state in host memory.
     * ``enabled`` (default true): false ignores the section.
 
     ``average_buffers``, ``collective_timeout_s`` and ``nonfinite`` may also be passed as keywords
@@ -203,6 +213,8 @@ def initialize(
         collate_fn,
         average_buffers=local.settings.average_buffers,
         average_frozen=local.settings.average_frozen,
+        outer_optimizers=local.settings.outer_optimizers(),
+        outer_state_device=local.settings.outer_state_device,
     )
 
 
@@ -331,6 +343,8 @@ def _agree(local: _Local) -> None:
             **asdict(local.averaging_config),
             "average_buffers": local.settings.average_buffers,
             "average_frozen": local.settings.average_frozen,
+            "outer_optimizer": local.settings.outer_optimizer,
+            "outer_state_device": local.settings.outer_state_device,
         }
     else:
         value = "disabled" if local.loaded is not None else "no config"
@@ -370,8 +384,13 @@ def _initialize_with_averaging(
     *,
     average_buffers: bool,
     average_frozen: bool,
+    outer_optimizers: Mapping[int, OuterFactory] | None = None,
+    outer_state_device: str | None = None,
 ):
-    """The engine over the replica mpu, with the averaging attached; every replica starts from replica 0."""
+    """The engine over the replica mpu, with the averaging attached; every replica starts from replica 0.
+
+    With outer optimizers and no warm-up, the anchors are taken right after that broadcast.
+    """
     rpr = averaging_config.ranks_per_replica
     replica_mpu = ReplicaParallelUnit(rpr)
     engine, ds_optimizer, dataloader, scheduler = _deepspeed_initialize(
@@ -387,20 +406,24 @@ def _initialize_with_averaging(
         agreed=True,
         average_buffers=average_buffers,
         average_frozen=average_frozen,
+        outer_optimizers=outer_optimizers,
+        outer_state_device=outer_state_device,
     )
-    state.broadcast_from_first_replica()
+    state.broadcast_from_first_replica()  # then the anchors, with outer optimizers and no warm-up
     attach(engine, state)
     if state.kind == "zero3":
         keep_trace_checks_in_replica(engine, replica_mpu.get_data_parallel_group())
     if dist.get_rank() == 0:
         logger.info(
-            "hierarchical averaging on DeepSpeed: %d replicas of %d ranks (ZeRO stage %d, %s); levels %s, warmup %d",
+            "hierarchical averaging on DeepSpeed: %d replicas of %d ranks (ZeRO stage %d, %s); levels %s, warmup %d, "
+            "outer optimizers %s",
             dist.get_world_size() // rpr,
             rpr,
             engine.zero_optimization_stage(),
             state.kind,
             [(lv.period, lv.group_size) for lv in averaging_config.levels],
             averaging_config.warmup_steps,
+            {period: f.func.__name__ for period, f in (outer_optimizers or {}).items()} or None,
         )
     return engine, ds_optimizer, dataloader, scheduler
 
@@ -500,4 +523,24 @@ def _local_averaging_config(
     rpr = resolve_ranks_per_replica(settings)
     averaging_config = settings.averaging_config(rpr)
     _check_batch_size(ds_config, rpr)
+    _check_outer_state_device(settings.outer_state_device)
     return averaging_config
+
+
+def _check_outer_state_device(device: str | None) -> None:
+    """``"outer_state_device"`` must be the CPU or DeepSpeed's accelerator.
+
+    Raises:
+        ValueError: naming the key, for another device type (e.g. ``"cuda"`` on DeepSpeed's CPU accelerator).
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    if device is None:
+        return
+    accelerator = get_accelerator().device_name()
+    if torch.device(device).type not in ("cpu", accelerator):
+        raise ValueError(
+            f'DeepSpeed config section "{SECTION}": key "outer_state_device" is {device!r}, but DeepSpeed runs on '
+            f"its {accelerator!r} accelerator: use {' or '.join(repr(d) for d in dict.fromkeys(('cpu', accelerator)))}, "
+            "or null (with the master weights)."
+        )
