@@ -16,7 +16,9 @@ replicas differ until they average. The section's ``"outer_optimizer"`` steps, p
 * An outer optimizer on a level of one replica (Lookahead within the replica, ZeRO-2 bf16): the
   rounds move the masters with no peer, and the module gets them.
 * Resume: ZeRO-2 bf16 and ZeRO-3 fp32 with Nesterov, saved after 2 rounds: the resumed run
-  equals the uninterrupted one (1e-6), each rank restores its own anchors from its own file.
+  equals the uninterrupted one (1e-6), each rank restores its own anchors from its own file. One
+  rank's file missing: an error on every rank. A checkpoint saved without outer optimizers: a
+  warning, fresh anchors at the loaded weights, the replicas identical after the next round.
 * Bad configs: ``ValueError`` naming the key on every rank, before any engine exists; a section
   whose outer optimizer differs between ranks is a ``RuntimeError`` on every rank.
 * ``ds_configs/zero2_bf16_diloco.json`` as shipped trains with its two rounds.
@@ -319,6 +321,45 @@ def _resume_case(rank, stage, prec, folder):
     }
 
 
+def _resume_edges_case(rank, folder):
+    """A rank's outer state file missing: an error on every rank. A checkpoint without outer state: fresh anchors."""
+    import torch.distributed as dist
+
+    from hieravg_optim.deepspeed import outer_state_file
+
+    out = {}
+    plain, _ = _build(1, "fp32", _section())
+    for step in range(3):
+        _step(plain, rank, step)
+    plain.save_checkpoint(os.path.join(folder, "plain"), tag="t3")
+    engine, state = _build(1, "fp32", _section(NESTEROV))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.load_checkpoint(os.path.join(folder, "plain"))
+    out["warned"] = any("has no anchors or outer optimizer state" in str(w.message) for w in caught)
+    out["anchors_at_loaded_weights"] = state.averager.has_anchors and _max_diff(
+        [a.cpu() for a in state.averager.state_dict()["outer"][PERIOD]["anchors"]],
+        [t.cpu() for t in state.tensors_to_average()],
+    ) == 0
+    for step in range(3, 5):  # a round at count 4: the anchors of the two replicas are averaged first
+        _step(engine, rank, step)
+    module = _full_module(engine)
+    out["identical_after_round"] = all(all(m.equal(o) for m, o in zip(module, other)) for other in _gather(module))
+
+    engine.save_checkpoint(os.path.join(folder, "outer"), tag="t5")
+    dist.barrier()
+    if rank == 3:
+        os.remove(outer_state_file(os.path.join(folder, "outer", "replica_1", "t5"), 1))
+    dist.barrier()
+    fresh, _ = _build(1, "fp32", _section(NESTEROV))
+    try:
+        fresh.load_checkpoint(os.path.join(folder, "outer"))
+        out["missing_file"] = "no error"
+    except Exception as err:  # noqa: BLE001
+        out["missing_file"] = f"{type(err).__name__}: {err}"
+    return out
+
+
 def _bad_config_case(rank):
     """Bad outer configs, the same on every rank or on one rank only: an error on every rank, never a hang."""
     import torch
@@ -387,6 +428,7 @@ def _all_scenarios(rank, world_size, folder):
     scenarios["single_replica_level_zero2_bf16"] = lambda r: _single_replica_level_case(r, 2, "bf16")
     scenarios["resume_zero2_bf16"] = lambda r: _resume_case(r, 2, "bf16", os.path.join(folder, "z2"))
     scenarios["resume_zero3_fp32"] = lambda r: _resume_case(r, 3, "fp32", os.path.join(folder, "z3"))
+    scenarios["resume_edges_zero1_fp32"] = lambda r: _resume_edges_case(r, os.path.join(folder, "edges"))
     scenarios["shipped_config"] = _shipped_config_case
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -460,6 +502,17 @@ def test_resume_equals_uninterrupted(results, case):
         assert r["anchors_restored"], f"rank {rank}: {case} did not restore this rank's own anchors"
         assert r["diff"] <= 1e-6, (rank, r)
         assert r["count_resumed"] == 6 and r["rounds"] == 1, (rank, r)
+
+
+def test_resume_without_outer_state_or_with_a_file_missing(results):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["resume_edges_zero1_fp32"]
+        assert r["warned"] and r["anchors_at_loaded_weights"], (rank, r)
+        assert r["identical_after_round"], (rank, r)
+        if rank == 3:
+            assert r["missing_file"].startswith("FileNotFoundError") and "dp_rank_1.pt is missing" in r["missing_file"]
+        else:
+            assert r["missing_file"].startswith("RuntimeError: Rank 3 failed"), (rank, r["missing_file"])
 
 
 def test_bad_configs_raise_on_every_rank(results):

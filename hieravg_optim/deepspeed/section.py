@@ -138,7 +138,12 @@ def parse_section(section: Any) -> SectionSettings:
 
     Raises:
         ValueError: naming the key and the value, for an unknown key, a missing
-            ``period_group_size``, or an invalid value.
+            ``period_group_size``, or an invalid value. Each ``"outer_optimizer"`` entry is built and
+            stepped once on a dummy fp32 tensor here, so that ``params`` its ``torch.optim`` class
+            rejects fail now, naming the period, not at the first round.
+
+    Warns:
+        UserWarning: for ``"outer_state_device"`` without ``"outer_optimizer"`` (it has no effect).
     """
     if not isinstance(section, Mapping):
         raise ValueError(
