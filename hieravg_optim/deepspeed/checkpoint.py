@@ -135,7 +135,7 @@ def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
                     # A checkpoint without outer state (saved without outer optimizers), past the warm-up: anchors
                     # at the loaded weights; the first round averages them over its group.
                     state.take_anchors()
-            except (OSError, RuntimeError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement below
                 error = exc
         # DeepSpeed only logs a warning for a missing checkpoint: a replica without one (resuming with more
         # replicas than were saved) would silently start from fresh weights while the others resume. One
@@ -154,14 +154,13 @@ def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
     engine.load_checkpoint = load_checkpoint
 
 
-
-
 def _with_outer_state(state: DeepSpeedAveraging, saved: Mapping[str, Any], tag_dir: str) -> dict[str, Any]:
     """The saved averaging state, with this rank's outer state read from :func:`outer_state_file` if it was saved.
 
     Raises:
         FileNotFoundError: naming the file, if the averaging state says the ranks saved their outer state
             but this rank's file is missing (never silently fresh anchors on one rank).
+        ValueError: if the file was saved at another averaging step than the checkpoint.
     """
     saved = dict(saved)
     periods = saved.pop(_OUTER_SAVED, None)
@@ -174,6 +173,11 @@ def _with_outer_state(state: DeepSpeedAveraging, saved: Mapping[str, Any], tag_d
             f"per rank, but this rank's file {path} is missing. Restore the whole checkpoint folder, with the "
             "file of every rank."
         )
-    location = state._outer_state_location()
-    saved["outer"] = torch.load(path, map_location=location, weights_only=True)["outer"]
+    loaded = torch.load(path, map_location=state._outer_state_location(), weights_only=True)
+    if loaded.get("step") != saved.get("step"):
+        raise ValueError(
+            f"{path} holds the outer optimizer state of averaging step {loaded.get('step')}, but the checkpoint in "
+            f"{tag_dir} was saved at step {saved.get('step')}: the folder mixes two saves. Restore it whole."
+        )
+    saved["outer"] = loaded["outer"]
     return saved
