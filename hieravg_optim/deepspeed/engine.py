@@ -325,7 +325,8 @@ class DeepSpeedAveraging:
 
         ``-1`` is the top level: every replica ends with the same weights (e.g. before evaluation),
         and, with ``average_buffers``, every rank with the same buffers.
-        The step count does not change.
+        The step count does not change. At a level with an outer optimizer (once its anchors are
+        taken) this is a full round: average, outer step, anchors into the masters.
 
         .. warning::
             Collective over this rank's subgroup at that level and over its replica.
