@@ -309,14 +309,14 @@ def _resume_case(rank, stage, prec, folder):
     after = _full_module(resumed)
     tag_dir = os.path.join(folder, f"replica_{rank // S}", "t3")
     anchors_everywhere = _gather(saved_anchors)
+    first = (rank // S) * S  # the first rank of this replica
     return {
         "diff": _max_diff(uninterrupted, after),
         "count_resumed": resumed_state.step,
         "anchors_restored": anchors_restored,
         "own_file": os.path.exists(outer_state_file(tag_dir, rank % S)),
         # The per-rank files matter: the two ranks of a replica hold different anchors.
-        "ranks_of_replica_differ": _max_diff(anchors_everywhere[(rank // S) * S], anchors_everywhere[(rank // S) * S + 1])
-        > 0,
+        "ranks_of_replica_differ": _max_diff(anchors_everywhere[first], anchors_everywhere[first + 1]) > 0,
         "rounds": resumed_state.metrics()[PERIOD]["rounds"],
     }
 
@@ -370,8 +370,8 @@ def _bad_config_case(rank):
         "unknown_period": ({"period_group_size": {"2": 4}, "ranks_per_replica": S, "outer_optimizer": {"3": SGD1}}),
         "bad_params": {"period_group_size": {"2": 4}, "ranks_per_replica": S,
                        "outer_optimizer": {"2": {"type": "SGD", "params": {"lr": -1}}}},
-        "device_not_accelerator": {"period_group_size": {"2": 4}, "ranks_per_replica": S, "outer_optimizer": {"2": SGD1},
-                                   "outer_state_device": "cuda"},
+        "device_not_accelerator": {"period_group_size": {"2": 4}, "ranks_per_replica": S,
+                                   "outer_optimizer": {"2": SGD1}, "outer_state_device": "cuda"},
         # Rank 1 alone has a bad type: it raises its ValueError, the others a RuntimeError naming it.
         "bad_on_rank_1": {"period_group_size": {"2": 4}, "ranks_per_replica": S,
                           "outer_optimizer": {"2": {"type": "Nesterov" if rank == 1 else "SGD"}}},

@@ -539,8 +539,8 @@ def _check_outer_state_device(device: str | None) -> None:
         return
     accelerator = get_accelerator().device_name()
     if torch.device(device).type not in ("cpu", accelerator):
+        allowed = " or ".join(repr(d) for d in dict.fromkeys(("cpu", accelerator)))
         raise ValueError(
             f'DeepSpeed config section "{SECTION}": key "outer_state_device" is {device!r}, but DeepSpeed runs on '
-            f"its {accelerator!r} accelerator: use {' or '.join(repr(d) for d in dict.fromkeys(('cpu', accelerator)))}, "
-            "or null (with the master weights)."
+            f"its {accelerator!r} accelerator: use {allowed}, or null (with the master weights)."
         )
