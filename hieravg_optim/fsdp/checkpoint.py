@@ -337,7 +337,9 @@ def _outer_load_template(
                 + (f", tensor {index} of full shape {tuple(layouts[index].shape)}" if index < len(layouts) else "")
                 + ": load the checkpoint of the same model and sharding, with the same parameters trainable."
             )
-        template = torch.zeros(local[index].shape, dtype=md.properties.dtype, device=local[index].device)
+        # Loaded where the anchors live (outer_state_device="cpu": on the CPU, no copy on the accelerator).
+        device = optimizer.averager.outer_state_device or local[index].device
+        template = torch.zeros(local[index].shape, dtype=md.properties.dtype, device=device)
         dtensors[key] = _as_dtensor(template, layouts[index])
     return {_DTENSORS: dtensors, mine: b""}
 
