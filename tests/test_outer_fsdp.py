@@ -259,7 +259,7 @@ def test_dcp_resume_with_outer_state_equals_uninterrupted_run(results):
     for rank, r in enumerate(results):
         for case, c in r["resume"].items():
             where = f"rank {rank}, {case}"
-            assert c["max_diff"] <= ATOL, f"{where}: the resumed run differs from the uninterrupted one: {c['max_diff']}"
+            assert c["max_diff"] <= ATOL, f"{where}: the resumed run differs from the uninterrupted one {c['max_diff']}"
             if case.endswith("_1"):  # saved in the (synchronous) warm-up, before the anchors: no outer state
                 assert c["anchors"] == [] and c["outer_keys"] == [], (where, c)
                 continue

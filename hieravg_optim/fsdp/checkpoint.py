@@ -25,12 +25,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, LoadPlan
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._flat_param import FlatParameter
 
 from ..agreement import agree_across_ranks
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.device_mesh import DeviceMesh
-
 from .mesh import SHARD_DIM
 from .optimizer import FSDPHierarchicalAveragingOptimizer, ShardLayout, optimizer_params
 
