@@ -455,7 +455,7 @@ class HierarchicalAverager:
                 "(past the warm-up): call HierarchicalAverager.take_anchors(tensors) once the replicas are "
                 "equal (at construction, after any broadcast from the first replica), before the first round."
             )
-        why = outer.mismatch(tensors)
+        why = outer.mismatch([local_tensor(t) for t in tensors])
         if why is None:
             return None
         return RuntimeError(
@@ -598,7 +598,8 @@ class HierarchicalAverager:
             :class:`LevelMetrics` as a plain dict of ints, floats and ``None``: ``period``,
             ``group_size``, ``subgroup_size``, ``rounds``, ``payload_bytes``, ``bytes_sent``
             (bytes), ``seconds``, ``outer_bytes`` (bytes of fp32 anchors plus outer optimizer state
-            held now) and ``pseudo_grad_norm`` (at the level's last round, or ``None``). Example for ``{4: 2, 8: 4}`` after 16 steps on 4 ranks
+            held now) and ``pseudo_grad_norm`` (at the level's last round, or ``None``). Example
+            for ``{4: 2, 8: 4}`` after 16 steps on 4 ranks
             of float32 parameters of 1,000 elements: ``{4: {"rounds": 2, "payload_bytes": 8000,
             "bytes_sent": 8000, ...}, 8: {"rounds": 2, "payload_bytes": 8000, "bytes_sent": 12000, ...}}``.
         """
@@ -631,13 +632,21 @@ class HierarchicalAverager:
             What :meth:`load_outer_state` restores: ``{period: (anchors, optimizer state, synced)}``, or
             ``None`` when this averager has no outer optimizer.
 
+        Warns (``UserWarning``) for saved periods that have no outer optimizer here: they are not loaded.
+
         Raises:
             ValueError: naming the period and the mismatch, for a malformed entry, or anchors whose number or
                 shapes differ from this rank's anchors (when it holds some).
         """
-        if not self.has_outer:
-            return None
         saved = state.get("outer") if isinstance(state, Mapping) else None
+        if not self.has_outer:
+            if saved:
+                warn_at_caller(
+                    f"The averaging state dict holds anchors and outer optimizer state for periods "
+                    f"{sorted(map(str, saved))}, but this averager has no outer optimizer: they are not loaded. Pass "
+                    "the same outer_optimizers as the saved run to resume it."
+                )
+            return None
         if saved is None:
             return {}
         if not isinstance(saved, Mapping):
@@ -653,6 +662,13 @@ class HierarchicalAverager:
         for outer in self._outer:
             if outer is not None and outer.period in by_period:
                 parsed[outer.period] = outer.check_state(by_period[outer.period])
+        ignored = [p for p in by_period if p not in parsed]
+        if ignored:
+            warn_at_caller(
+                f"The averaging state dict holds anchors and outer optimizer state for period"
+                f"{'s' if len(ignored) > 1 else ''} {ignored}, which ha{'ve' if len(ignored) > 1 else 's'} no outer "
+                f"optimizer here (outer optimizers at {list(self.outer_periods)}): not loaded."
+            )
         return parsed
 
     def load_outer_state(self, parsed: dict[int, tuple] | None) -> None:

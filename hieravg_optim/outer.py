@@ -286,8 +286,12 @@ class OuterLevel:
             g = a - t.to(device=a.device, dtype=torch.float32)
             a.grad = g
             grads.append(g)
-        norms = [g.norm().to(device="cpu", dtype=torch.float64) for g in grads if g.numel()]
-        self.pseudo_grad_norm = float(torch.stack(norms).square().sum().sqrt()) if norms else 0.0
+        # One host transfer per device, not one per tensor.
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(torch.linalg.vector_norm(g, dtype=torch.float64))
+        squares = sum(float(torch.stack(norms).square().sum()) for norms in by_device.values())
+        self.pseudo_grad_norm = math.sqrt(squares)
         self.optimizer.step()
         for a, t in zip(self.anchors, tensors):
             a.grad = None
@@ -316,16 +320,18 @@ class OuterLevel:
         """
         where = f"The outer state of period {self.period} in the averaging state dict"
         if not isinstance(state, Mapping) or "anchors" not in state or "optimizer" not in state:
+            keys = f" with keys {sorted(map(str, state))}" if isinstance(state, Mapping) else ""
             raise ValueError(
                 f"{where} must be a mapping with 'anchors' and 'optimizer', as HierarchicalAverager.state_dict() "
-                f"returns, got {type(state).__name__}{' with keys ' + str(sorted(map(str, state))) if isinstance(state, Mapping) else ''}."
+                f"returns, got {type(state).__name__}{keys}."
             )
         anchors = state["anchors"]
         if not isinstance(anchors, (list, tuple)) or not all(torch.is_tensor(a) for a in anchors):
             raise ValueError(f"{where}: 'anchors' must be a list of tensors, got {type(anchors).__name__}.")
         if not isinstance(state["optimizer"], Mapping):
             raise ValueError(
-                f"{where}: 'optimizer' must be the outer optimizer's state_dict(), got {type(state['optimizer']).__name__}."
+                f"{where}: 'optimizer' must be the outer optimizer's state_dict(), got "
+                f"{type(state['optimizer']).__name__}."
             )
         groups = state["optimizer"].get("param_groups")
         if isinstance(groups, (list, tuple)):

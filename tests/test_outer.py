@@ -166,7 +166,8 @@ def _scenario_sgd_lr1_is_plain_averaging(rank: int) -> dict:
     """(a) Outer SGD(lr=1, momentum=0) at both levels equals plain averaging, fp32 and bf16, and with a
     non-finite replica skipped (``nonfinite="skip_replica"``)."""
     out = {}
-    for name, dtype, skip in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False), ("skip", torch.float32, True)):
+    cases = (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False), ("skip", torch.float32, True))
+    for name, dtype, skip in cases:
         results = []
         for outer in (None, {2: _sgd(), "4": _sgd()}):
             params = _model(rank, dtype)
@@ -218,9 +219,8 @@ def _scenario_warmup_anchors(rank: int) -> dict:
     out = {}
     for sync in (True, False):
         params = _model(rank)
-        opt = _wrap(
-            params, warmup_steps=3, synchronous_warmup=sync, outer_optimizers={2: nesterov_outer(*NESTEROV), 4: nesterov_outer(*NESTEROV)}
-        )
+        outer = {2: nesterov_outer(*NESTEROV), 4: nesterov_outer(*NESTEROV)}
+        opt = _wrap(params, warmup_steps=3, synchronous_warmup=sync, outer_optimizers=outer)
         record: list = []
         has = []
 
@@ -259,10 +259,17 @@ def _scenario_resume(rank: int) -> dict:
             for p, s in zip(params, saved["params"]):
                 p.copy_(s)
         opt.load_state_dict(saved["opt"])
-        momentum_loaded = {
-            period: [t.clone() for t in (s["optimizer"]["state"][i]["momentum_buffer"] for i in s["optimizer"]["state"])]
-            for period, s in opt.state_dict()[STATE_KEY].get("outer", {}).items()
-        }
+        def momentum(state):
+            return {
+                period: [entry["momentum_buffer"].clone() for entry in s["optimizer"]["state"].values()]
+                for period, s in state[STATE_KEY].get("outer", {}).items()
+            }
+
+        momentum_loaded = momentum(opt.state_dict())
+        momentum_saved = momentum(saved["opt"])
+        assert momentum_loaded.keys() == momentum_saved.keys()
+        for period in momentum_saved:
+            assert all(torch.equal(a, b) for a, b in zip(momentum_loaded[period], momentum_saved[period], strict=True))
         _train(params, opt, rank, stop, 14)
         resumed = _flat(params)
         assert torch.allclose(uninterrupted, resumed, rtol=1e-6, atol=1e-6), (warmup, stop, uninterrupted, resumed)
@@ -292,7 +299,37 @@ def _scenario_resume(rank: int) -> dict:
     _train(params, opt, rank, 3, 4)  # count 3 does not average: the anchors are the params before its step
     anchors = _anchors(opt)
     assert torch.equal(anchors[2], at_load) and torch.equal(anchors[4], at_load)
+    # Outer state for levels without an outer optimizer here: a warning, not loaded.
+    params, opt = build(0)
+    plain_params = _model(rank)
+    plain_opt = HierarchicalAveragingOptimizer(torch.optim.SGD(plain_params, lr=1.0, momentum=0.5), LEVELS)
+    with pytest.warns(UserWarning, match=r"periods \['2', '4'\], but this averager has no outer optimizer"):
+        plain_opt.load_state_dict(_roundtrip(opt.state_dict()))
+    assert plain_opt.averaging_step == 0 and "outer" not in plain_opt.state_dict()[STATE_KEY]
     return out
+
+
+def _scenario_averager_api(rank: int) -> dict:
+    """The averager as adapters drive it: no anchors past the warm-up is a RuntimeError on every rank naming
+    take_anchors; after take_anchors, average(-1) with outer SGD(lr=1) gives the mean, in place."""
+    from hieravg_optim import HierarchicalAverager
+    from hieravg_optim.config import AveragingConfig
+
+    averager = HierarchicalAverager(AveragingConfig.create(LEVELS), outer_optimizers={4: _sgd()})
+    tensor = torch.full((3,), float(rank))
+    assert averager.needs_anchors and not averager.has_anchors and averager.outer_periods == (4,)
+    with pytest.raises(RuntimeError, match=r"period 4 has an outer optimizer but no anchors at step 0.*take_anchors"):
+        averager.step_and_average(lambda: [tensor])
+    averager.step = 0
+    averager.take_anchors([tensor])
+    assert averager.has_anchors and not averager.needs_anchors
+    averager.average(-1, [tensor])
+    assert torch.equal(tensor, torch.full((3,), 1.5))  # the mean of 0, 1, 2, 3
+    metrics = averager.metrics()[4]
+    assert metrics["outer_bytes"] == 3 * 4  # SGD without momentum keeps no state
+    # The anchors were the ranks' own values (0..3), averaged at this first round: g = 1.5 - 1.5 = 0.
+    assert metrics["pseudo_grad_norm"] == 0.0
+    return {"value": tensor}
 
 
 def _scenario_cpu_state_and_metrics(rank: int) -> dict:
@@ -417,6 +454,7 @@ def _run(rank: int) -> dict:
             "nesterov": _scenario_nesterov_two_levels,
             "warmup": _scenario_warmup_anchors,
             "resume": _scenario_resume,
+            "averager": _scenario_averager_api,
             "metrics": _scenario_cpu_state_and_metrics,
             "doc": _scenario_doc_example,
             "bad": _scenario_bad_configs,
@@ -560,6 +598,10 @@ def test_documented_worked_example_matches_torch_sgd():
         assert math.isclose(opt.state[anchor]["momentum_buffer"].item(), row["buffer"], abs_tol=1e-9)
         assert math.isclose((before - anchor.item()) / 0.7, row["update"], abs_tol=1e-9)
         assert math.isclose(anchor.item(), row["new"], abs_tol=1e-9)
+
+
+def test_averager_api_for_adapters(results):
+    assert all(torch.equal(res["averager"]["value"], torch.full((3,), 1.5)) for res in results)
 
 
 def test_bad_configs_raise_on_every_rank(results):
