@@ -8,6 +8,7 @@ and :mod:`hieravg_optim.fsdp`; this package never imports deepspeed itself.
 from .averager import HierarchicalAverager, LevelMetrics
 from .config import AveragingConfig
 from .optimizer import HierarchicalAveragingOptimizer
+from .outer import nesterov_outer
 from .schedule import AveragingLevel, level_at, rounds_per_level
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "HierarchicalAveragingOptimizer",
     "LevelMetrics",
     "level_at",
+    "nesterov_outer",
     "rounds_per_level",
 ]
 

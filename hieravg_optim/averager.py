@@ -24,6 +24,7 @@ from .averaging import BucketPool, average_tensors_
 from .config import AveragingConfig, is_int, warn_at_caller
 from .faults import named_collective
 from .groups import LevelGroup, build_level_groups, process_group_timeout
+from .outer import OuterFactory, OuterLevel, check_outer_optimizers, check_outer_state_device, probe_factory
 from .replica import build_replica_group, replica_any
 from .schedule import AveragingLevel, level_at
 
@@ -32,7 +33,14 @@ try:  # torch >= 2.5
 except ImportError:  # pragma: no cover - torch 2.4
     from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 
-__all__ = ["HierarchicalAverager", "LevelMetrics", "bytes_sent", "check_log_metrics_every", "local_tensor"]
+__all__ = [
+    "HierarchicalAverager",
+    "LevelMetrics",
+    "bytes_sent",
+    "check_log_metrics_every",
+    "check_outer",
+    "local_tensor",
+]
 
 logger = logging.getLogger(__package__ + ".optimizer")
 """The metrics of ``log_metrics_every`` go to the ``hieravg_optim.optimizer`` logger, the name documented for it."""
@@ -67,7 +75,13 @@ class LevelMetrics:
     all-reduce; node-aware, ``2 (m - 1) / m`` of it inside the node plus ``2 (q - 1) / (q m)`` across nodes
     (``m`` ranks per node, ``q`` nodes)."""
     seconds: float = 0.0
-    """Wall-clock seconds spent averaging, agreement check included."""
+    """Wall-clock seconds spent averaging, agreement check included (and the outer step, if any)."""
+    outer_bytes: int = 0
+    """Bytes this rank holds for the level's outer optimizer: its fp32 anchors plus the outer optimizer's
+    state (0 without an outer optimizer, or before the anchors are taken)."""
+    pseudo_grad_norm: float | None = None
+    """L2 norm of this rank's pseudo-gradient (``anchor - mean``, over its shards) at the level's last round;
+    ``None`` before the first round after the anchors were taken, or without an outer optimizer."""
 
 
 def bytes_sent(payload: int, lg: LevelGroup) -> int:
@@ -85,6 +99,26 @@ def check_log_metrics_every(value: object) -> None:
             f"log_metrics_every must be a positive integer number of steps or None, got {value!r}. "
             "Pass e.g. log_metrics_every=100 to log the averaging metrics every 100 steps."
         )
+
+
+def check_outer(
+    config: AveragingConfig,
+    outer_optimizers: Mapping[int | str, OuterFactory] | None,
+    outer_state_device: str | torch.device | None,
+) -> tuple[dict[int, OuterFactory], torch.device | None]:
+    """Validate ``outer_optimizers`` and ``outer_state_device`` against ``config``; local, no collective.
+
+    Each factory is probed on one small tensor (see :func:`hieravg_optim.outer.probe_factory`).
+
+    Raises:
+        TypeError, ValueError: see :func:`hieravg_optim.outer.check_outer_optimizers` and
+            :func:`hieravg_optim.outer.check_outer_state_device`.
+    """
+    factories = check_outer_optimizers(outer_optimizers, config.levels)
+    device = check_outer_state_device(outer_state_device)
+    for period, factory in factories.items():
+        probe_factory(period, factory)
+    return factories, device
 
 
 class HierarchicalAverager:
@@ -109,13 +143,28 @@ class HierarchicalAverager:
         agreed: ``True`` when the caller has already checked ``config`` with
             :meth:`AveragingConfig.check_world_size` against the size of ``process_group`` and agreed on
             it across its ranks (:func:`hieravg_optim.deepspeed.initialize` does both, in its one
-            agreement collective): the constructor then skips that check and its own agreement collective.
+            agreement collective): the constructor then skips that check and its own agreement collective
+            (the caller has then agreed on ``outer_optimizers``' periods and ``outer_state_device`` too).
+        outer_optimizers: ``{period: factory}``: the levels with an outer optimizer (DiLoCo,
+            https://arxiv.org/abs/2311.08105; HALoS, https://arxiv.org/abs/2506.04531). Each such level keeps
+            fp32 anchors of the averaged tensors (taken by :meth:`take_anchors`) and an outer optimizer built by
+            ``factory(anchors)``; its rounds then step the anchors with the pseudo-gradient ``anchor - mean`` and
+            give the tensors the anchors' new value (see :meth:`average` and ``docs/outer.md``). Keys are periods
+            (ints, or strings of digits as in JSON); ``None`` or a level without an entry averages plainly.
+            See :func:`hieravg_optim.nesterov_outer`.
+        outer_state_device: Where the anchors and the outer optimizer's state live, e.g. ``"cpu"`` to keep
+            them off the accelerator (torchft's ``backup_device``); ``None`` (default): each tensor's own device.
 
     Raises:
-        ValueError: from :meth:`AveragingConfig.check_world_size`, or for a ``log_metrics_every``
-            that is not a positive integer, on every rank, before any collective.
-        RuntimeError: if the ranks were given different configs, or another rank's config failed these
-            checks (that rank raises the ValueError; the others a RuntimeError naming it, never a hang).
+        ValueError: from :meth:`AveragingConfig.check_world_size`, for a ``log_metrics_every``
+            that is not a positive integer, an ``outer_optimizers`` key that is not a period, or a bad
+            ``outer_state_device``; on every rank, before any collective.
+        TypeError: for an ``outer_optimizers`` that is not a mapping, a factory that is not callable or
+            returns something other than a ``torch.optim.Optimizer`` (probed on one small tensor), or an
+            ``outer_state_device`` that is not a string or a ``torch.device``; on every rank, before any collective.
+        RuntimeError: if the ranks were given different configs (or different periods with an outer optimizer,
+            or different ``outer_state_device``), or another rank's config failed these checks (that rank
+            raises the ValueError; the others a RuntimeError naming it, never a hang).
     """
 
     def __init__(
@@ -125,9 +174,12 @@ class HierarchicalAverager:
         *,
         log_metrics_every: int | None = None,
         agreed: bool = False,
+        outer_optimizers: Mapping[int | str, OuterFactory] | None = None,
+        outer_state_device: str | torch.device | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             check_log_metrics_every(log_metrics_every)  # a bad value is named first, as with a process group
+            check_outer(config, outer_optimizers, outer_state_device)
             raise RuntimeError(
                 "torch.distributed is not initialized: call torch.distributed.init_process_group() "
                 "(or launch with torchrun / deepspeed) before creating the averager."
@@ -142,15 +194,23 @@ class HierarchicalAverager:
         self.world_size = dist.get_world_size(self.process_group)
         if agreed:
             check_log_metrics_every(log_metrics_every)
+            factories, device = check_outer(config, outer_optimizers, outer_state_device)
         else:
             # Local checks; a failure on some ranks only is raised on every rank by the agreement below.
             error: BaseException | None = None
+            factories, device = {}, None
             try:
                 check_log_metrics_every(log_metrics_every)
                 config.check_world_size(self.world_size)
-            except ValueError as exc:
+                factories, device = check_outer(config, outer_optimizers, outer_state_device)
+            except (TypeError, ValueError) as exc:
                 error = exc
-            agree_across_ranks("the averaging config", asdict(config), self.process_group, error=error)
+            agreed_value = {
+                **asdict(config),
+                "periods with an outer optimizer": sorted(factories),
+                "outer_state_device": None if device is None else str(device),
+            }
+            agree_across_ranks("the averaging config", agreed_value, self.process_group, error=error)
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
         # A sharded replica's ranks decide together whether it is finite (one int64 per round).
         self._replica_group = build_replica_group(config, self.process_group, self._group_timeout())
@@ -166,6 +226,13 @@ class HierarchicalAverager:
         self._verify_step_pending = True
         self.log_metrics_every: int | None = log_metrics_every
         """Log :meth:`metrics` through ``logging`` at INFO every this many steps (``None``: never)."""
+        self.outer_state_device: torch.device | None = device
+        """Where anchors and outer optimizer state live; ``None``: each tensor's own device."""
+        # One entry per level: its outer state, or None for a level that averages plainly.
+        self._outer: list[OuterLevel | None] = [
+            OuterLevel(lv.period, factories[lv.period], device) if lv.period in factories else None
+            for lv in config.levels
+        ]
 
     @property
     def levels(self) -> tuple[AveragingLevel, ...]:
@@ -174,6 +241,55 @@ class HierarchicalAverager:
     @property
     def warmup_steps(self) -> int:
         return self.config.warmup_steps
+
+    @property
+    def has_outer(self) -> bool:
+        """Whether some level has an outer optimizer."""
+        return any(o is not None for o in self._outer)
+
+    @property
+    def has_anchors(self) -> bool:
+        """Whether every level with an outer optimizer holds its anchors (``False`` if there is none)."""
+        return self.has_outer and all(o.anchors is not None for o in self._outer if o is not None)
+
+    @property
+    def needs_anchors(self) -> bool:
+        """Whether the anchors are due but missing: a level has an outer optimizer, the count is past the
+        warm-up (``step >= warmup_steps``), and some anchor is not there (at construction with
+        ``warmup_steps=0``, or after loading a checkpoint without them). A wrapper then calls
+        :meth:`take_anchors` before its next inner step."""
+        return self.has_outer and not self.has_anchors and self.step >= self.config.warmup_steps
+
+    @property
+    def outer_periods(self) -> tuple[int, ...]:
+        """The periods of the levels with an outer optimizer, in level order."""
+        return tuple(o.period for o in self._outer if o is not None)
+
+    def take_anchors(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Anchor every level with an outer optimizer at ``tensors``: fp32 copies, and fresh outer optimizers.
+
+        Local, no collective. Each anchor is an fp32 copy of the tensor (this rank's local shard), on
+        ``outer_state_device`` or else the tensor's device; each level's outer optimizer is rebuilt with
+        ``factory(anchors)`` (its state starts empty). The anchors need not be equal across ranks: a
+        level's first round after this averages its anchors over its group first (one extra all-reduce of
+        the anchors, once), so the replicas of the group compute the same outer step.
+
+        :meth:`step_and_average` calls it itself right after count ``warmup_steps - 1`` (after that
+        count's synchronous warm-up round, if any); with ``warmup_steps=0`` the wrapper or adapter calls it
+        at construction, after any broadcast from the first replica. A no-op without outer optimizers.
+
+        Args:
+            tensors: This rank's tensors, the same list, in the same order, as :meth:`average` will get.
+
+        Raises:
+            TypeError: if a factory returns something other than a ``torch.optim.Optimizer``.
+        """
+        tensors = [local_tensor(t) for t in tensors]
+        for outer in self._outer:
+            if outer is not None:
+                outer.take(tensors)
+        for m in self._metrics:
+            m.pseudo_grad_norm = None
 
     def due_level(self) -> int | None:
         """Index of the level that averages at the current count, or ``None``.
@@ -213,6 +329,8 @@ class HierarchicalAverager:
             error = None if check is None else check()
             extra = None if context is None else context()
             self.average(index, tensors(), error=error, context=extra)
+        if self.has_outer and self.step == self.config.warmup_steps - 1:
+            self.take_anchors(tensors())  # the end of the warm-up
         self.step += 1
         if self.log_metrics_every and self.step % self.log_metrics_every == 0:
             logger.info("hierarchical averaging at step %d: %s", self.step, self.metrics())
@@ -230,6 +348,17 @@ class HierarchicalAverager:
 
         ``level_index=-1`` averages at the top level: with ``ranks_per_replica=1``, over
         the whole process group.
+
+        At a level with an outer optimizer whose anchors are taken (:meth:`take_anchors`), the round
+        goes on after the in-place average gives ``mean``: the pseudo-gradient ``g = anchor - mean``
+        (torchft's sign: outer SGD with lr 1 and no momentum gives back ``mean``) is set as the
+        anchors' ``.grad``, the outer optimizer steps once, and the anchors are copied into ``tensors``
+        in place (cast to their dtype). The level's first round after :meth:`take_anchors` first
+        averages the anchors over the group too (one more all-reduce, in fp32). Then, after any level's
+        round (outer or plain), the anchors of every lower level with an outer optimizer are reset to
+        the new ``tensors``; higher levels keep theirs. Before the anchors are taken (warm-up rounds)
+        the level averages plainly. The outer step is local: every rank of the group holds the same
+        anchors, mean and outer state, so the replicas stay identical.
 
         .. warning::
             Collective over this rank's subgroup at that level.
@@ -257,12 +386,24 @@ class HierarchicalAverager:
                 (:func:`hieravg_optim.faults.named_collective`).
             Exception: ``error``, if given.
         """
+        level_index = range(len(self.level_groups))[level_index]
         lg = self.level_groups[level_index]
         metrics = self._metrics[level_index]
+        outer = self._outer[level_index]
+        if outer is not None and error is None:
+            error = self._outer_error(outer, tensors)
+        if outer is not None and outer.anchors is None:
+            outer = None  # warm-up: no anchors yet, plain averaging
         if lg.group is None:
             if error is not None:
                 raise error
+            start = time.perf_counter()
+            if outer is not None:
+                outer.step([local_tensor(t) for t in tensors])
+                metrics.pseudo_grad_norm = outer.pseudo_grad_norm
+            self._reset_lower_anchors(level_index, tensors)
             metrics.rounds += 1
+            metrics.seconds += time.perf_counter() - start
             return
         start = time.perf_counter()
         round_name = (
@@ -293,10 +434,72 @@ class HierarchicalAverager:
                 comm_dtype=self.config.comm_dtype[level_index] if self.config.comm_dtype else None,
                 node=lg.node,
             )
+            if outer is not None:
+                if not outer.synced:
+                    payload += self._sync_anchors(outer, lg, tensors, bad, divisor)
+                outer.step([local_tensor(t) for t in tensors])
+                metrics.pseudo_grad_norm = outer.pseudo_grad_norm
+        self._reset_lower_anchors(level_index, tensors)
         metrics.rounds += 1
         metrics.payload_bytes += payload
         metrics.bytes_sent += bytes_sent(payload, lg)
         metrics.seconds += time.perf_counter() - start
+
+    def _outer_error(self, outer: OuterLevel, tensors: Sequence[torch.Tensor]) -> BaseException | None:
+        """The local error of a round at a level with an outer optimizer, raised on every rank by its agreement."""
+        if outer.anchors is None:
+            if self.step < self.config.warmup_steps:
+                return None  # a synchronous warm-up round: plain averaging
+            return RuntimeError(
+                f"The level of period {outer.period} has an outer optimizer but no anchors at step {self.step} "
+                "(past the warm-up): call HierarchicalAverager.take_anchors(tensors) once the replicas are "
+                "equal (at construction, after any broadcast from the first replica), before the first round."
+            )
+        why = outer.mismatch(tensors)
+        if why is None:
+            return None
+        return RuntimeError(
+            f"The tensors averaged at step {self.step} (period {outer.period}) differ from the level's anchors: "
+            f"{why}. The outer optimizer needs the same tensors at every round: keep the set of averaged (and "
+            "frozen) parameters fixed, or call take_anchors(tensors) again after changing it."
+        )
+
+    def _sync_anchors(
+        self, outer: OuterLevel, lg: LevelGroup, tensors: Sequence[torch.Tensor], bad: list[int], divisor: int | None
+    ) -> int:
+        """Average ``outer``'s anchors over ``lg`` (fp32, on the tensors' devices); returns the payload in bytes.
+
+        Run at the level's first round after :meth:`take_anchors`, whose local copies may differ across
+        replicas (e.g. without a synchronous warm-up). Ranks skipped for non-finite tensors add nothing.
+        """
+        assert outer.anchors is not None
+        staged = [a if a.device == t.device else a.to(t.device) for a, t in zip(outer.anchors, tensors)]
+        if dist.get_rank() in bad:
+            for a in staged:
+                a.zero_()
+        payload = average_tensors_(
+            staged,
+            lg.group,
+            lg.size,
+            bucket_cap_bytes=self.config.bucket_cap_bytes,
+            pool=self.pool,
+            divisor=divisor,
+            node=lg.node,
+        )
+        for a, s in zip(outer.anchors, staged):
+            if a is not s:
+                a.copy_(s)
+        outer.synced = True
+        return payload
+
+    def _reset_lower_anchors(self, level_index: int, tensors: Sequence[torch.Tensor]) -> None:
+        """After a round at ``level_index``: the anchors of every lower level with an outer optimizer := ``tensors``."""
+        lower = [o for o in self._outer[:level_index] if o is not None and o.anchors is not None]
+        if lower:
+            local = [local_tensor(t) for t in tensors]
+            for o in lower:
+                if o.mismatch(local) is None:
+                    o.reset(local)
 
     @torch.no_grad()
     def broadcast_from_first_replica(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -392,32 +595,115 @@ class HierarchicalAverager:
 
         Returns:
             A new dict per call, keyed by period (steps), in level order; each value is
-            :class:`LevelMetrics` as a plain dict of ints and one float: ``period``,
+            :class:`LevelMetrics` as a plain dict of ints, floats and ``None``: ``period``,
             ``group_size``, ``subgroup_size``, ``rounds``, ``payload_bytes``, ``bytes_sent``
-            (bytes) and ``seconds``. Example for ``{4: 2, 8: 4}`` after 16 steps on 4 ranks
+            (bytes), ``seconds``, ``outer_bytes`` (bytes of fp32 anchors plus outer optimizer state
+            held now) and ``pseudo_grad_norm`` (at the level's last round, or ``None``). Example for ``{4: 2, 8: 4}`` after 16 steps on 4 ranks
             of float32 parameters of 1,000 elements: ``{4: {"rounds": 2, "payload_bytes": 8000,
             "bytes_sent": 8000, ...}, 8: {"rounds": 2, "payload_bytes": 8000, "bytes_sent": 12000, ...}}``.
         """
+        for m, outer in zip(self._metrics, self._outer):
+            m.outer_bytes = 0 if outer is None else outer.nbytes()
         return {m.period: asdict(m) for m in self._metrics}
 
     def state_dict(self) -> dict[str, Any]:
-        """The averaging state: the step count and, for checking on resume, the levels and the warm-up."""
-        return {
+        """The averaging state: the step count and, for checking on resume, the levels and the warm-up.
+
+        With outer optimizers whose anchors are taken, also ``"outer"``: ``{period: {"anchors": [Tensor,
+        ...], "optimizer": outer_optimizer.state_dict(), "synced": bool}}``, this rank's fp32 anchors (its
+        shards; the tensors themselves, not copies) and outer optimizer state, per level with an outer optimizer.
+        """
+        state: dict[str, Any] = {
             "step": self.step,
             "levels": [[lv.period, lv.group_size] for lv in self.config.levels],
             "warmup_steps": self.config.warmup_steps,
             "synchronous_warmup": self.config.synchronous_warmup,
         }
+        outer = {o.period: o.state_dict() for o in self._outer if o is not None and o.anchors is not None}
+        if outer:
+            state["outer"] = outer
+        return state
+
+    def check_outer_state(self, state: Mapping[str, Any]) -> dict[int, tuple] | None:
+        """Validate the ``"outer"`` entry of an averaging state; changes nothing. Local, no collective.
+
+        Returns:
+            What :meth:`load_outer_state` restores: ``{period: (anchors, optimizer state, synced)}``, or
+            ``None`` when this averager has no outer optimizer.
+
+        Raises:
+            ValueError: naming the period and the mismatch, for a malformed entry, or anchors whose number or
+                shapes differ from this rank's anchors (when it holds some).
+        """
+        if not self.has_outer:
+            return None
+        saved = state.get("outer") if isinstance(state, Mapping) else None
+        if saved is None:
+            return {}
+        if not isinstance(saved, Mapping):
+            raise ValueError(
+                f"The 'outer' entry of the averaging state dict must be a mapping {{period: {{'anchors': ..., "
+                f"'optimizer': ...}}}}, as HierarchicalAverager.state_dict() returns, got {type(saved).__name__}."
+            )
+        by_period = {}
+        for key, value in saved.items():
+            period = int(key) if is_int(key) or (isinstance(key, str) and key.strip().isdigit()) else key
+            by_period[period] = value
+        parsed = {}
+        for outer in self._outer:
+            if outer is not None and outer.period in by_period:
+                parsed[outer.period] = outer.check_state(by_period[outer.period])
+        return parsed
+
+    def load_outer_state(self, parsed: dict[int, tuple] | None) -> None:
+        """Restore :meth:`check_outer_state`'s output (anchors and outer optimizer state); local.
+
+        A level with an outer optimizer that the checkpoint has no anchors for, past the warm-up, gets
+        fresh anchors: every level's anchors are dropped and taken again (:attr:`needs_anchors`), with a
+        ``UserWarning``.
+        """
+        if parsed is None:
+            return
+        missing = [o.period for o in self._outer if o is not None and o.period not in parsed]
+        for outer in self._outer:
+            if outer is not None and outer.period in parsed:
+                outer.load(*parsed[outer.period])
+        if missing and self.step >= self.config.warmup_steps:
+            for outer in self._outer:
+                if outer is not None:
+                    outer.drop()
+            warn_at_caller(
+                f"Resuming hierarchical averaging at step {self.step}, but the checkpoint has no anchors or outer "
+                f"optimizer state for period{'s' if len(missing) > 1 else ''} {missing}: every level with an outer "
+                "optimizer takes fresh anchors from the current parameters before the next step, and its outer "
+                "optimizer starts afresh (momentum lost). Save the checkpoint with state_dict() of a run with the "
+                "same outer_optimizers to resume exactly."
+            )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output. The count is checked across ranks at the next step.
 
+        With outer optimizers, the anchors and outer optimizer state of ``"outer"`` are restored too
+        (see :meth:`check_outer_state`, :meth:`load_outer_state`).
+
         Raises:
             ValueError: if ``state`` has no ``"step"``, or it is not a non-negative integer (a float,
-                a string, ``None``: never silently truncated or reset).
+                a string, ``None``: never silently truncated or reset); for a malformed ``"outer"`` entry or
+                anchors of other numbers or shapes. Nothing is changed then.
 
         Warns (``UserWarning``, at the caller) when the saved levels, ``warmup_steps`` or
-        ``synchronous_warmup`` differ from this averager's: the run continues with the new ones.
+        ``synchronous_warmup`` differ from this averager's: the run continues with the new ones; when the
+        checkpoint has no anchors for a level with an outer optimizer past the warm-up (fresh anchors).
+        """
+        outer = self.check_outer_state(state)
+        self.load_step_state(state)
+        self.load_outer_state(outer)
+
+    def load_step_state(self, state: Mapping[str, Any]) -> None:
+        """:meth:`load_state_dict` without the ``"outer"`` entry: the count and the schedule checks.
+
+        Wrappers that must leave everything unchanged when the inner optimizer rejects its part call
+        :meth:`check_outer_state` first, then this, then the inner load, then :meth:`load_outer_state`.
         """
         if not isinstance(state, Mapping) or "step" not in state:
             raise ValueError(

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import raise_on_every_rank
-from .averager import HierarchicalAverager, LevelMetrics, check_log_metrics_every, local_tensor
+from .averager import HierarchicalAverager, LevelMetrics, check_log_metrics_every, check_outer, local_tensor
 from .checks import (
     add_checked_param_group,
     check_dtensor_layout,
@@ -37,6 +37,7 @@ from .inner import (
     inner_step,
     split_count,
 )
+from .outer import OuterFactory
 from .schedule import AveragingLevel
 
 __all__ = ["GROUP_STEP_KEY", "STATE_KEY", "HierarchicalAverager", "HierarchicalAveragingOptimizer", "LevelMetrics", "local_tensor"]
@@ -151,14 +152,30 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             all-gather inside the node, so each node sends the model over the slow link about once per
             round. ``None`` (default): one flat all-reduce per level. Must divide every group size larger
             than it, and be a multiple of ``ranks_per_replica``.
+        outer_optimizers: ``{period: factory}``: give these levels an outer optimizer (DiLoCo,
+            https://arxiv.org/abs/2311.08105; HALoS, https://arxiv.org/abs/2506.04531): each keeps fp32
+            anchors of the averaged tensors, and its rounds step them with the pseudo-gradient
+            ``anchor - mean`` through ``factory(anchors)``, a ``torch.optim.Optimizer``, then copy them into
+            the tensors; a higher level's round resets the lower levels' anchors. E.g. ``{64:
+            hieravg_optim.nesterov_outer()}`` (Nesterov SGD, lr 0.7, momentum 0.9). The anchors are taken at
+            construction with ``warmup_steps=0`` (from the tensors ``tensors_to_average`` returns then), else
+            right after the inner step at count ``warmup_steps - 1``. ``None`` (default): every level averages
+            plainly. See :class:`~hieravg_optim.HierarchicalAverager` and ``docs/outer.md``.
+        outer_state_device: Where anchors and outer optimizer state live: ``"cpu"`` keeps them off the
+            accelerator (as torchft's ``backup_device``); ``None`` (default): each parameter's device.
+            Memory per level with an outer optimizer: one fp32 copy of the averaged tensors, plus the
+            outer optimizer's state (Nesterov SGD: one more fp32 copy).
 
     Raises:
-        ValueError: for an invalid setting, naming it, before any averaging collective; at the
+        ValueError: for an invalid setting, naming it, before any averaging collective (an
+            ``outer_optimizers`` key that is not a period, an unknown ``outer_state_device``); at the
             first averaging round, on every rank, for an fp32 master copy of a float16 / bfloat16
             parameter in the optimizer state without ``tensors_to_average``.
         TypeError: if ``optimizer`` has no ``param_groups`` or ``step``, or is already wrapped; if
             ``tensors_to_average`` is not callable; for a DTensor parameter split over ranks of this
-            rank's averaging subgroup.
+            rank's averaging subgroup; for an ``outer_optimizers`` that is not a mapping of callables, or
+            a factory that returns something other than a ``torch.optim.Optimizer``; for an
+            ``outer_state_device`` that is not a string or ``torch.device``.
         RuntimeError: if the ranks were given different settings, or another rank's settings were
             invalid (that rank raises the ValueError or TypeError; the others, in the constructor's
             one agreement collective, a RuntimeError naming it, instead of waiting for it); at an
@@ -199,6 +216,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         nonfinite: str = "raise",
         comm_dtype: CommDtype = None,
         ranks_per_node: int | str | None = None,
+        outer_optimizers: Mapping[int | str, OuterFactory] | None = None,
+        outer_state_device: str | torch.device | None = None,
     ) -> None:
         try:
             if isinstance(optimizer, HierarchicalAveragingOptimizer):
@@ -232,6 +251,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
                     f"{type(tensors_to_average).__name__}: pass e.g. lambda: [...], so that tensors the inner "
                     "optimizer creates at its first step (fp32 master weights) are looked up at each round."
                 )
+            check_outer(config, outer_optimizers, outer_state_device)
             params = unique_params(optimizer.param_groups)
             if dist.is_available() and dist.is_initialized():
                 check_dtensor_layout(params, own_subgroups(config, process_group))
@@ -256,7 +276,20 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self.averager = HierarchicalAverager(config, process_group, log_metrics_every=log_metrics_every)
+        self.averager = HierarchicalAverager(
+            config,
+            process_group,
+            log_metrics_every=log_metrics_every,
+            outer_optimizers=outer_optimizers,
+            outer_state_device=outer_state_device,
+        )
+        self._sync_replicas_at_construction()
+        if self.averager.needs_anchors:  # warmup_steps == 0: the anchors are the starting point
+            self.averager.take_anchors(self.tensors_to_average())
+
+    def _sync_replicas_at_construction(self) -> None:
+        """Make the replicas equal at construction, before the anchors are taken. Nothing here: plain
+        PyTorch and DDP start from equal weights (DDP broadcasts from rank 0); adapters broadcast."""
 
     # -- the inner optimizer's state, read and assigned through --------------------------------
     @property
@@ -295,7 +328,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
 
     @averaging_step.setter
     def averaging_step(self, value: int) -> None:
-        self.averager.load_state_dict({"step": value})
+        self.averager.load_step_state({"step": value})
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
@@ -370,6 +403,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         made = self.__dict__.pop("_initialized_state", None)
         if made is not None:
             drop_initialized_state(self.optimizer, made)
+        if self.averager.needs_anchors:  # a checkpoint without anchors was loaded
+            self.averager.take_anchors(self.tensors_to_average())
         loss = inner_step(
             self.optimizer, closure, getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         )
@@ -484,9 +519,11 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
                 state_dict = result
         inner, averaging_state, where = split_count(state_dict, averaging_step)
         # The averaging state is checked first, and restored if the inner optimizer rejects its part:
-        # a rejected state dict changes neither the inner optimizer nor the count.
+        # a rejected state dict changes neither the inner optimizer nor the count; the anchors and outer
+        # optimizer state are checked first and loaded last.
+        outer = self.averager.check_outer_state(averaging_state)
         previous = (self.averager.step, self.averager._verify_step_pending)
-        self.averager.load_state_dict(averaging_state)
+        self.averager.load_step_state(averaging_state)
         if averaging_step is not None and averaging_step != self.averager.step:
             self.averager.step, self.averager._verify_step_pending = previous
             raise ValueError(
@@ -499,6 +536,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         except BaseException:
             self.averager.step, self.averager._verify_step_pending = previous
             raise
+        self.averager.load_outer_state(outer)
         self.__dict__.pop("_initialized_state", None)  # a loaded state is never dropped at the next step
         for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             post_hook(self)

@@ -21,6 +21,7 @@ from ..agreement import raise_on_every_rank
 from ..averager import local_tensor
 from ..comm_dtype import CommDtype
 from ..optimizer import HierarchicalAveragingOptimizer
+from ..outer import OuterFactory
 from ..schedule import AveragingLevel
 from .mesh import HSDP_FIX, REPLICATE_DIM, SHARD_DIM, check_fsdp1_strategy, check_replicate_shard_mesh
 
@@ -89,6 +90,11 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             :class:`~hieravg_optim.HierarchicalAveragingOptimizer`).
         ranks_per_node: Ranks of one node (or ``"auto"``) for node-aware levels; ``None``: flat
             (see :class:`~hieravg_optim.HierarchicalAveragingOptimizer`).
+        outer_optimizers: ``{period: factory}``: outer optimizers per level over fp32 anchors of this rank's
+            local shards (see :class:`~hieravg_optim.HierarchicalAveragingOptimizer` and ``docs/outer.md``).
+            With ``warmup_steps=0`` the anchors are taken at construction, after the broadcast from replica 0.
+        outer_state_device: Where the anchors and outer optimizer state live (``"cpu"``); ``None``: each
+            shard's device.
 
     At construction, every replica's local shards (all FSDP1 flat parameters of the module, or
     all FSDP2 parameters, frozen ones included) are overwritten with those of replica 0, as
@@ -133,6 +139,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         nonfinite: str = "raise",
         comm_dtype: CommDtype = None,
         ranks_per_node: int | str | None = None,
+        outer_optimizers: Mapping[int | str, OuterFactory] | None = None,
+        outer_state_device: str | torch.device | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group() first.")
@@ -158,8 +166,9 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             nonfinite=nonfinite,
             comm_dtype=comm_dtype,
             ranks_per_node=ranks_per_node,
+            outer_optimizers=outer_optimizers,
+            outer_state_device=outer_state_device,
         )
-        self.averager.broadcast_from_first_replica(self._module_shards())
         if dist.get_rank() == 0:
             logger.info(
                 "FSDP%d hierarchical averaging: %d replicas x %d shards, %d optimizer parameters",
@@ -168,6 +177,10 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
                 shards,
                 sum(1 for _ in optimizer_params(optimizer)),
             )
+
+    def _sync_replicas_at_construction(self) -> None:
+        """Broadcast replica 0's local shards, before the anchors of ``outer_optimizers`` are taken."""
+        self.averager.broadcast_from_first_replica(self._module_shards())
 
     @property
     def fsdp_version(self) -> int:

@@ -1,0 +1,366 @@
+"""Outer optimizers per level (DiLoCo, HALoS): anchors, pseudo-gradients and the outer step.
+
+Plain hierarchical averaging replaces a level's tensors by their group mean. With an outer
+optimizer at that level, the mean instead gives a *pseudo-gradient* ``g = anchor - mean``,
+where the *anchor* is a copy of the tensors taken after the level's previous round (or at the
+end of the warm-up), and an ordinary ``torch.optim.Optimizer`` over the anchors steps with it;
+the tensors then take the anchor's new value (DiLoCo, https://arxiv.org/abs/2311.08105, one
+level; HALoS, https://arxiv.org/abs/2506.04531, one outer optimizer per level of a hierarchy;
+the sign is torchft's, so that outer SGD with lr 1 and no momentum gives back the mean).
+
+This module holds the pieces the averager drives: the validation of ``outer_optimizers``
+(:func:`check_outer_optimizers`), the usual factory (:func:`nesterov_outer`), and the
+per-level state (:class:`OuterLevel`: the fp32 anchors and the outer optimizer). Everything
+here is local (no collective): :class:`~hieravg_optim.HierarchicalAverager` runs the
+averaging round and calls in.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .schedule import AveragingLevel
+
+__all__ = [
+    "OuterFactory",
+    "OuterLevel",
+    "check_outer_optimizers",
+    "check_outer_state_device",
+    "nesterov_outer",
+]
+
+OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+"""Builds a level's outer optimizer over that level's anchor tensors (fp32, one per averaged tensor)."""
+
+
+class _NesterovOuter:
+    """The factory :func:`nesterov_outer` returns: picklable, with a readable ``repr``."""
+
+    __slots__ = ("lr", "momentum")
+
+    def __init__(self, lr: float, momentum: float) -> None:
+        self.lr = lr
+        self.momentum = momentum
+
+    def __call__(self, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(tensors, lr=self.lr, momentum=self.momentum, nesterov=True)
+
+    def __repr__(self) -> str:
+        return f"nesterov_outer(lr={self.lr!r}, momentum={self.momentum!r})"
+
+
+def nesterov_outer(lr: float = 0.7, momentum: float = 0.9) -> OuterFactory:
+    """The usual outer optimizer: ``torch.optim.SGD(anchors, lr, momentum, nesterov=True)``.
+
+    DiLoCo (https://arxiv.org/abs/2311.08105) found Nesterov SGD with lr 0.7 and momentum 0.9
+    the best outer optimizer; torchft and HALoS (https://arxiv.org/abs/2506.04531) use it too.
+    The outer optimizer holds one fp32 momentum buffer per anchor tensor (after its first step).
+
+    Args:
+        lr: The outer learning rate, a positive finite number (1 with ``momentum`` 0 would be plain
+            averaging, but Nesterov needs a positive momentum).
+        momentum: The outer momentum, in ``(0, 1)``.
+
+    Returns:
+        A factory for ``outer_optimizers={period: factory}``.
+
+    Raises:
+        ValueError: for a non-positive or non-finite ``lr``, or a ``momentum`` outside ``(0, 1)``.
+
+    Example::
+
+        >>> opt = HierarchicalAveragingOptimizer(
+        ...     torch.optim.AdamW(model.parameters(), lr=1e-3), {8: 8, 64: dist.get_world_size()},
+        ...     outer_optimizers={64: nesterov_outer(lr=0.7, momentum=0.9)})
+    """
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"nesterov_outer lr must be a positive finite number, got {lr!r}; DiLoCo uses lr=0.7.")
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 < momentum < 1:
+        raise ValueError(
+            f"nesterov_outer momentum must be in (0, 1) (Nesterov needs a positive momentum), got {momentum!r}; "
+            "DiLoCo uses momentum=0.9. For outer SGD without momentum pass "
+            "lambda tensors: torch.optim.SGD(tensors, lr=...) instead."
+        )
+    return _NesterovOuter(float(lr), float(momentum))
+
+
+def _period_of(key: object) -> int | None:
+    """The period a key names: an int, a numpy integer, or a string of digits (JSON); else ``None``."""
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+        return int(key)
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    return None
+
+
+def check_outer_optimizers(
+    value: Mapping[int | str, OuterFactory] | None, levels: Sequence[AveragingLevel]
+) -> dict[int, OuterFactory]:
+    """Validate ``outer_optimizers``; local, no collective.
+
+    Args:
+        value: ``{period: factory}`` or ``None``. Keys are periods of ``levels``: ints, numpy
+            integers, or strings of digits as in JSON (as ``period_group_size_dict`` accepts).
+            Values are callables ``factory(tensors) -> torch.optim.Optimizer``.
+        levels: The levels of the config.
+
+    Returns:
+        ``{period: factory}`` with int keys, in level order; ``{}`` for ``None`` or an empty mapping.
+
+    Raises:
+        TypeError: if ``value`` is not a mapping, or a factory is not callable (naming the period).
+        ValueError: for a key that is not the period of a level, or a period given twice
+            (``{"4": ..., 4: ...}``).
+    """
+    if value is None:
+        return {}
+    periods = [lv.period for lv in levels]
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"outer_optimizers must be a mapping {{period: factory}}, got {type(value).__name__}: pass e.g. "
+            f"outer_optimizers={{{periods[-1]}: hieravg_optim.nesterov_outer()}}."
+        )
+    by_period: dict[int, OuterFactory] = {}
+    keys: dict[int, object] = {}
+    for key, factory in value.items():
+        period = _period_of(key)
+        if period not in periods:
+            raise ValueError(
+                f"outer_optimizers key {key!r} must be the period of a level (one of {periods}), as in "
+                f"outer_optimizers={{{periods[-1]}: hieravg_optim.nesterov_outer()}}."
+            )
+        if period in keys:
+            raise ValueError(
+                f"outer_optimizers keys {keys[period]!r} and {key!r} both name period {period}: give each period once."
+            )
+        if not callable(factory):
+            raise TypeError(
+                f"outer_optimizers[{key!r}] must be a factory, a callable that builds the outer optimizer from the "
+                f"level's anchor tensors (tensors -> torch.optim.Optimizer), got {factory!r} "
+                f"({type(factory).__name__}): pass e.g. hieravg_optim.nesterov_outer(lr=0.7, momentum=0.9) or "
+                "lambda tensors: torch.optim.SGD(tensors, lr=0.7, momentum=0.9, nesterov=True)."
+            )
+        keys[period] = key
+        by_period[period] = factory
+    return {p: by_period[p] for p in periods if p in by_period}
+
+
+def check_outer_state_device(value: str | torch.device | None) -> torch.device | None:
+    """Validate ``outer_state_device``; local, no collective.
+
+    Returns:
+        The device, or ``None`` (anchors and outer state on each tensor's own device).
+
+    Raises:
+        TypeError: if ``value`` is not ``None``, a string or a ``torch.device``.
+        ValueError: for a string that is not a device, or a device whose backend is not available here.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(
+            f"outer_state_device must be None, a device name or a torch.device, got {value!r} "
+            f'({type(value).__name__}): pass e.g. outer_state_device="cpu" to keep anchors and outer optimizer '
+            "state in host memory."
+        )
+    try:
+        device = torch.device(value)
+    except RuntimeError as exc:
+        raise ValueError(
+            f'outer_state_device {value!r} is not a device: pass "cpu" (host memory), or None for each tensor\'s '
+            f"own device ({exc})."
+        ) from None
+    if device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        available = getattr(module, "is_available", None)
+        if available is None or not available():
+            raise ValueError(
+                f'outer_state_device {value!r}: no {device.type} device is available on this machine; pass "cpu" '
+                "or None (each tensor's own device)."
+            )
+    return device
+
+
+def _check_factory_result(optimizer: object, period: int, factory: OuterFactory) -> torch.optim.Optimizer:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"outer_optimizers[{period}] ({factory!r}) returned {type(optimizer).__name__}, not a "
+            "torch.optim.Optimizer: the factory must build the optimizer over the tensors it is given, e.g. "
+            "lambda tensors: torch.optim.SGD(tensors, lr=0.7, momentum=0.9, nesterov=True)."
+        )
+    return optimizer
+
+
+def probe_factory(period: int, factory: OuterFactory) -> None:
+    """Call ``factory`` on one small fp32 tensor and check that it returns a ``torch.optim.Optimizer``.
+
+    Run at construction, so that a factory returning something else is a ``TypeError`` on every rank
+    before any collective, not at the end of the warm-up. A factory that raises on this probe (e.g. it
+    expects a given number of tensors) is left to :meth:`OuterLevel.take`.
+    """
+    try:
+        result = factory([torch.zeros(1, dtype=torch.float32)])
+    except Exception:  # noqa: BLE001 - the real tensors decide, at take()
+        return
+    _check_factory_result(result, period, factory)
+
+
+def _tensor_bytes(value: object) -> int:
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, Mapping):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+class OuterLevel:
+    """One level's outer state on this rank: fp32 anchors (sharded like the tensors) and the outer optimizer.
+
+    Local: no method here communicates. The anchors are taken with :meth:`take`, stepped with
+    :meth:`step` after the level's all-reduce, and reset to a higher level's result with :meth:`reset`.
+
+    Memory: one fp32 copy of this rank's averaged tensors (their local shards), plus the outer
+    optimizer's state (SGD with momentum: one more fp32 copy), on ``device`` (else each tensor's own).
+    :meth:`step` allocates one fp32 pseudo-gradient per tensor for the duration of the step.
+    """
+
+    def __init__(self, period: int, factory: OuterFactory, device: torch.device | None) -> None:
+        self.period = period
+        self.factory = factory
+        self.device = device
+        self.anchors: list[torch.Tensor] | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.synced = False
+        """Whether the anchors are known to be equal on every rank of the level's group (after a round)."""
+        self.pseudo_grad_norm: float | None = None
+        """L2 norm of this rank's pseudo-gradient at the level's last round (``None`` before the first)."""
+
+    # -- anchors -----------------------------------------------------------------------------------
+    def take(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Anchor = an fp32 copy of each tensor; build a fresh outer optimizer over the anchors."""
+        anchors = [
+            t.detach().to(device=self.device or t.device, dtype=torch.float32, copy=True) for t in tensors
+        ]
+        optimizer = _check_factory_result(self.factory(anchors), self.period, self.factory)
+        self.anchors, self.optimizer, self.synced = anchors, optimizer, False
+
+    @torch.no_grad()
+    def reset(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy ``tensors`` (a higher level's result, equal on every rank of this level's group) into the anchors.
+
+        The outer optimizer's state (momentum) is kept, as in HALoS.
+        """
+        assert self.anchors is not None and len(tensors) == len(self.anchors)
+        for a, t in zip(self.anchors, tensors):
+            a.copy_(t)
+        self.synced = True
+
+    def mismatch(self, tensors: Sequence[torch.Tensor]) -> str | None:
+        """Why ``tensors`` cannot be stepped with these anchors (their number or shapes differ), or ``None``."""
+        assert self.anchors is not None
+        if len(tensors) != len(self.anchors):
+            return f"{len(tensors)} tensors to average, but {len(self.anchors)} anchors"
+        for i, (a, t) in enumerate(zip(self.anchors, tensors)):
+            if a.shape != t.shape:
+                return f"tensor {i} has shape {tuple(t.shape)}, its anchor {tuple(a.shape)}"
+        return None
+
+    # -- the outer step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, tensors: Sequence[torch.Tensor]) -> None:
+        """``g = anchor - mean``; one outer step on the anchors; copy the anchors into ``tensors``.
+
+        ``tensors`` hold the level's mean (after the all-reduce) and get the new anchors, cast to
+        their dtype, in place.
+        """
+        assert self.anchors is not None and self.optimizer is not None
+        grads = []
+        for a, t in zip(self.anchors, tensors):
+            g = a - t.to(device=a.device, dtype=torch.float32)
+            a.grad = g
+            grads.append(g)
+        norms = [g.norm().to(device="cpu", dtype=torch.float64) for g in grads if g.numel()]
+        self.pseudo_grad_norm = float(torch.stack(norms).square().sum().sqrt()) if norms else 0.0
+        self.optimizer.step()
+        for a, t in zip(self.anchors, tensors):
+            a.grad = None
+            t.copy_(a)
+        self.synced = True
+
+    # -- accounting and checkpoints ----------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes held on this rank: the anchors plus every tensor of the outer optimizer's state."""
+        if self.anchors is None:
+            return 0
+        state = self.optimizer.state if self.optimizer is not None else {}
+        return _tensor_bytes(self.anchors) + sum(_tensor_bytes(s) for s in state.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"anchors": [Tensor, ...], "optimizer": outer_optimizer.state_dict(), "synced": bool}``."""
+        assert self.anchors is not None and self.optimizer is not None
+        return {"anchors": list(self.anchors), "optimizer": self.optimizer.state_dict(), "synced": self.synced}
+
+    def check_state(self, state: object) -> tuple[list[torch.Tensor], Mapping[str, Any], bool]:
+        """Validate one level's saved state; return ``(anchors, optimizer state dict, synced)``. Changes nothing.
+
+        Raises:
+            ValueError: naming the period and the mismatch, for a malformed entry, or anchors whose number
+                or shapes differ from the current ones (when this rank holds anchors already).
+        """
+        where = f"The outer state of period {self.period} in the averaging state dict"
+        if not isinstance(state, Mapping) or "anchors" not in state or "optimizer" not in state:
+            raise ValueError(
+                f"{where} must be a mapping with 'anchors' and 'optimizer', as HierarchicalAverager.state_dict() "
+                f"returns, got {type(state).__name__}{' with keys ' + str(sorted(map(str, state))) if isinstance(state, Mapping) else ''}."
+            )
+        anchors = state["anchors"]
+        if not isinstance(anchors, (list, tuple)) or not all(torch.is_tensor(a) for a in anchors):
+            raise ValueError(f"{where}: 'anchors' must be a list of tensors, got {type(anchors).__name__}.")
+        if not isinstance(state["optimizer"], Mapping):
+            raise ValueError(
+                f"{where}: 'optimizer' must be the outer optimizer's state_dict(), got {type(state['optimizer']).__name__}."
+            )
+        groups = state["optimizer"].get("param_groups")
+        if isinstance(groups, (list, tuple)):
+            held = sum(len(g.get("params", ())) for g in groups if isinstance(g, Mapping))
+            if held != len(anchors):
+                raise ValueError(
+                    f"{where}: its outer optimizer state covers {held} tensors but it holds {len(anchors)} anchors: "
+                    "save and load the state dict HierarchicalAverager.state_dict() returns, unchanged."
+                )
+        if self.anchors is not None:
+            if len(anchors) != len(self.anchors):
+                raise ValueError(
+                    f"{where} holds {len(anchors)} anchors, but this rank averages {len(self.anchors)} tensors: load "
+                    "the checkpoint of the same model, with the same parameters averaged (and frozen)."
+                )
+            for i, (saved, mine) in enumerate(zip(anchors, self.anchors)):
+                if saved.shape != mine.shape:
+                    raise ValueError(
+                        f"{where}: anchor {i} has shape {tuple(saved.shape)}, but this rank's tensor {i} has shape "
+                        f"{tuple(mine.shape)}: load the checkpoint of the same model and sharding."
+                    )
+        return list(anchors), state["optimizer"], bool(state.get("synced", True))
+
+    @torch.no_grad()
+    def load(self, anchors: list[torch.Tensor], optimizer_state: Mapping[str, Any], synced: bool) -> None:
+        """Restore :meth:`check_state`'s output: into the current anchors if any, else new fp32 anchors."""
+        if self.anchors is not None:
+            for mine, saved in zip(self.anchors, anchors):
+                mine.copy_(saved)
+            self.optimizer = _check_factory_result(self.factory(self.anchors), self.period, self.factory)
+        else:
+            self.take(anchors)
+        self.optimizer.load_state_dict(optimizer_state)
+        self.synced = synced
+
+    def drop(self) -> None:
+        """Forget the anchors and the outer optimizer (they are taken again with :meth:`take`)."""
+        self.anchors, self.optimizer, self.synced = None, None, False
