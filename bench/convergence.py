@@ -40,8 +40,8 @@ The outer contenders run once per ``--outer-lr`` value (momentum ``--outer-momen
 32 steps, the last one ending the run), synchronous DP all-reduces gradients 513 times. After each
 top-level round (every replica then holds the same model) and at the same steps for DP, the
 validation loss (next-byte cross-entropy, nats) is measured on 256 fixed windows of the held-out
-files. ``--merge`` keeps the rows of an earlier run of the same settings that this run does not
-redo, so a sweep can be run piecewise. Written to ``bench/results/convergence_chars.{json,png}``.
+files. ``--merge [NAME ...]`` keeps the rows of earlier runs of the same settings that this run does
+not redo, so a sweep can be run piecewise (``--contenders none --merge A B`` only merges). Written to ``bench/results/convergence_chars.{json,png}``.
 """
 
 from __future__ import annotations
@@ -162,7 +162,9 @@ CHAR_CONTENDERS: dict[str, tuple[dict[int, int] | None, tuple[int, ...]]] = {
 """name -> (``{period: group_size}``, or None for DDP; the periods with an outer Nesterov optimizer)."""
 
 
-def _chars_runs(contenders: list[str], lrs: list[float], outer_lrs: list[float]) -> list[tuple[str, float, float | None]]:
+def _chars_runs(
+    contenders: list[str], lrs: list[float], outer_lrs: list[float]
+) -> list[tuple[str, float, float | None]]:
     """(contender, inner lr, outer lr) of every run: outer contenders once per outer lr."""
     runs = []
     for lr in lrs:
@@ -232,6 +234,9 @@ def _chars_rank(rank: int, world_size: int, runs, steps: int, batch: int, contex
             row["pseudo_grad_norm_last_round"] = {str(p): metrics[p].get("pseudo_grad_norm") for p in levels}
         row["replicas_identical"] = replicas_identical(list(model.parameters()))
         out.append(row)
+        if rank == 0:
+            print(f"run {len(out)}/{len(runs)}: {name} lr {lr:g} outer lr {outer_lr}: validation loss "
+                  f"{curve[-1][1]:.4f}, {seconds:.0f} s", file=sys.stderr, flush=True)
     return out
 
 
@@ -266,6 +271,7 @@ def chars_main(args) -> None:
     from chars_common import corpus_fingerprint
 
     contenders = args.contenders.split(",") if args.contenders else list(CHAR_CONTENDERS)
+    contenders = [] if contenders == ["none"] else contenders
     unknown = sorted(set(contenders) - set(CHAR_CONTENDERS))
     if unknown:
         raise SystemExit(f"--contenders: unknown {unknown}; choose from {sorted(CHAR_CONTENDERS)}")
@@ -276,30 +282,39 @@ def chars_main(args) -> None:
     settings = {"steps": args.steps, "batch": args.batch, "context": args.context, "d_model": args.d_model,
                 "seed": args.seed, "world_size": 8, "corpus": corpus_fingerprint()}  # fmt: skip
     print(f"{len(runs)} runs: {runs}", flush=True)
-    per_rank = spawn(_chars_rank, 8, runs, args.steps, args.batch, args.context, args.d_model,
-                     args.outer_momentum, args.seed)  # fmt: skip
-    rows = per_rank[0]  # the validation losses are all-reduced: the same on every rank
+    rows = []
+    if runs:
+        per_rank = spawn(_chars_rank, 8, runs, args.steps, args.batch, args.context, args.d_model,
+                         args.outer_momentum, args.seed)  # fmt: skip
+        rows = per_rank[0]  # the validation losses are all-reduced: the same on every rank
     for r in rows:
         r["final_val_loss"] = r["curve"][-1][1]
         r["environment_load_average"] = env["load_average_1_5_15"]
     path = os.path.join(RESULTS_DIR, f"{args.name}.json")
-    if args.merge and os.path.exists(path):
-        with open(path) as f:
+    redone = {_row_key(r) for r in rows}
+    for name in args.merge if args.merge is not None else []:
+        earlier_path = os.path.join(RESULTS_DIR, f"{name or args.name}.json")
+        if not os.path.exists(earlier_path):
+            continue
+        with open(earlier_path) as f:
             earlier = json.load(f)
         if earlier["settings"] != settings:
-            raise SystemExit(f"--merge: {path} has other settings {earlier['settings']}, this run {settings}")
-        redone = {_row_key(r) for r in rows}
-        rows = [r for r in earlier["rows"] if _row_key(r) not in redone] + rows
+            raise SystemExit(f"--merge: {earlier_path} has other settings {earlier['settings']}, this run {settings}")
+        kept = [r for r in earlier["rows"] if _row_key(r) not in redone]
+        redone |= {_row_key(r) for r in kept}
+        rows = kept + rows
     order = list(CHAR_CONTENDERS)
     rows.sort(key=lambda r: (order.index(r["contender"]), r["lr"], r["outer_lr"] or 0.0))
 
     print(f"\nchars, 8 ranks, {args.steps} steps, batch {args.batch}x{args.context} bytes/rank, "
           f"AdamW inner; load average at start {env['load_average_1_5_15']}")
-    hdr = f"{'contender':>16} {'lr':>7} {'outer lr':>8} | {'rounds per level':>22} {'global':>6} | {'val loss':>8} {'s':>6}"
+    hdr = (f"{'contender':>16} {'lr':>7} {'outer lr':>8} | {'rounds per level':>22} {'global':>6} | "
+           f"{'val loss':>8} {'s':>6}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        rpl = ", ".join(f"{k}: {v}" for k, v in r["rounds_per_level"].items()).replace("grad_allreduce_every_step", "grad")
+        rpl = ", ".join(f"{k}: {v}" for k, v in r["rounds_per_level"].items())
+        rpl = rpl.replace("grad_allreduce_every_step", "grad")
         print(f"{r['contender']:>16} {r['lr']:7g} {r['outer_lr'] or '-':>8} | {rpl:>22} {r['global_rounds']:>6} | "
               f"{r['final_val_loss']:8.4f} {r['seconds']:6.1f}")
     checks = _chars_checks(rows)
@@ -376,10 +391,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64, help="chars: bytes per window")
     parser.add_argument("--d-model", type=int, default=64, help="chars: transformer width")
     parser.add_argument("--seed", type=int, default=0, help="chars: init and batch sampling")
-    parser.add_argument("--contenders", default=None, help=f"chars: comma-separated subset of {list(CHAR_CONTENDERS)}")
+    parser.add_argument("--contenders", default=None,
+                        help=f"chars: comma-separated subset of {list(CHAR_CONTENDERS)}, or none")
     parser.add_argument("--outer-lr", default="0.7", help="chars: outer Nesterov lr, or a comma-separated list")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="chars: outer Nesterov momentum")
-    parser.add_argument("--merge", action="store_true", help="chars: keep the other rows of an earlier run")
+    parser.add_argument("--merge", nargs="*", default=None, metavar="NAME",
+                        help="chars: keep the rows of bench/results/NAME.json (default: this run's own file) that this "
+                        "run does not redo; with --contenders none, only merge")
     parser.add_argument("--name", default=None,
                         help="output files bench/results/NAME.* (default: convergence / convergence_chars)")
     args = parser.parse_args()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 import warnings
 
@@ -57,9 +56,9 @@ def _momentum(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1) (Nesterov needs momentum > 0), got {value}")
     return value
 
 
@@ -142,10 +141,9 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
-def outer_factories(outer: str, levels: dict[int, int], lr: float, momentum: float) -> dict:
-    """``{period: nesterov_outer(lr, momentum)}`` for the levels ``outer`` names ("none", "top", "both")."""
-    periods = {"none": [], "top": [max(levels)], "both": list(levels)}[outer]
-    return {period: nesterov_outer(lr=lr, momentum=momentum) for period in periods}
+def outer_periods(outer: str, levels: dict[int, int]) -> list[int]:
+    """The periods of the levels ``outer`` names: "none", "top" (the largest period) or "both" (every level)."""
+    return {"none": [], "top": [max(levels)], "both": sorted(levels)}[outer]
 
 
 def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_size: int) -> dict:
@@ -155,7 +153,10 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
     opt = HierarchicalAveragingOptimizer(
         torch.optim.AdamW(model.parameters(), lr=args.lr),
         period_group_size_dict=levels,
-        outer_optimizers=outer_factories(args.outer, levels, args.outer_lr, args.outer_momentum),
+        outer_optimizers={
+            period: nesterov_outer(lr=args.outer_lr, momentum=args.outer_momentum)
+            for period in outer_periods(args.outer, levels)
+        },
     )
     top = len(levels) - 1
     gen = torch.Generator().manual_seed(args.seed * 100_003 + rank)  # each rank its own batches
@@ -199,7 +200,7 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
         "outer": args.outer,
         "outer_lr": args.outer_lr,
         "outer_momentum": args.outer_momentum,
-        "outer_periods": sorted(outer_factories(args.outer, levels, 1.0, 0.0)),
+        "outer_periods": outer_periods(args.outer, levels),
         "steps": args.steps,
         "lr": args.lr,
         "batch_size": args.batch_size,
@@ -252,4 +253,4 @@ def plot(metrics: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
