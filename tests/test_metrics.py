@@ -24,7 +24,17 @@ pytestmark = pytest.mark.timeout(120)
 
 WORLD_SIZE = 4
 BAD_LOG_EVERY = (0, -2, 2.5, True, "10")
-METRIC_KEYS = {"period", "group_size", "subgroup_size", "rounds", "payload_bytes", "bytes_sent", "seconds"}
+METRIC_KEYS = {
+    "period",
+    "group_size",
+    "subgroup_size",
+    "rounds",
+    "payload_bytes",
+    "bytes_sent",
+    "seconds",
+    "outer_bytes",
+    "pseudo_grad_norm",
+}
 
 
 class _Records(logging.Handler):
@@ -169,6 +179,7 @@ def test_rounds_and_bytes_per_level_exact(results):
             assert m["payload_bytes"] == expected * payload, (rank, period)
             assert m["bytes_sent"] == expected * _sent(payload, subgroup), (rank, period)
             assert m["seconds"] > 0.0
+            assert m["outer_bytes"] == 0 and m["pseudo_grad_norm"] is None  # no outer optimizer (tests/test_outer.py)
         # 23 steps from warmup 3: counts 4, 8, ..., 20 at period 4; 6, 10, 14, 18, 22 at period 2.
         assert r["expected_rounds"] == [5, 5]
         assert all(m["rounds"] == 0 and m["payload_bytes"] == 0 and m["seconds"] == 0.0 for m in r["before"].values())
