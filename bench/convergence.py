@@ -385,7 +385,7 @@ def main() -> None:
                         help="optimizer steps per run (digits: 640, a multiple of 32; chars: 513 = 16 x 32 + 1)")
     parser.add_argument("--batch", type=int, default=16, help="per-rank batch size (windows for chars)")
     parser.add_argument("--lr", default=None,
-                        help="inner lr (digits: SGD, 0.02; chars: AdamW, 3e-3, or a comma-separated list to sweep)")
+                        help="inner lr (digits: SGD, 0.02; chars: AdamW, 6e-3, or a comma-separated list to sweep)")
     parser.add_argument("--hidden", type=int, default=64, help="digits: MLP width")
     parser.add_argument("--eval-every", type=int, default=16, help="digits: evaluate every N steps")
     parser.add_argument("--context", type=int, default=64, help="chars: bytes per window")
@@ -403,7 +403,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.task == "chars":
         args.steps = args.steps or 513
-        args.lr = args.lr or "3e-3"
+        args.lr = args.lr or "6e-3"
         args.name = args.name or "convergence_chars"
         chars_main(args)
         return

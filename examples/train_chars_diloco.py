@@ -86,7 +86,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--outer-lr", type=_positive_float, default=0.7, help="outer learning rate (default: 0.7)")
     parser.add_argument("--outer-momentum", type=_momentum, default=0.9, help="outer Nesterov momentum (default: 0.9)")
     parser.add_argument("--steps", type=_positive_int, default=513, help="inner optimizer steps (default: 513)")
-    parser.add_argument("--lr", type=_positive_float, default=3e-3, help="inner AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--lr", type=_positive_float, default=6e-3, help="inner AdamW learning rate (default: 6e-3)")
     parser.add_argument("--batch-size", type=_positive_int, default=16, help="windows per rank and step (default: 16)")
     parser.add_argument("--context", type=_positive_int, default=64, help="bytes per window (default: 64)")
     parser.add_argument("--d-model", type=_positive_int, default=64, help="transformer width (default: 64)")
