@@ -241,7 +241,7 @@ def _chars_rank(rank: int, world_size: int, runs, steps: int, batch: int, contex
 
 
 def _row_key(r) -> tuple:
-    return (r["contender"], r["lr"], r["outer_lr"])
+    return (r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"])
 
 
 def _plot_chars(rows, path, title):
@@ -252,7 +252,9 @@ def _plot_chars(rows, path, title):
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for r in rows:
-        label = f"{r['contender']} (lr {r['lr']:g}" + (f", outer lr {r['outer_lr']:g})" if r["outer_lr"] else ")")
+        label = f"{r['contender']} (lr {r['lr']:g}" + (
+            f", outer lr {r['outer_lr']:g}, momentum {r['outer_momentum']:g})" if r["outer_lr"] else ")"
+        )
         style = "-" if r["outer_lr"] else ("--" if r["levels"] else ":")
         ax.plot([c[0] for c in r["curve"][1:]], [c[1] for c in r["curve"][1:]], style, marker="o", ms=2.5,
                 label=f"{label}: {r['final_val_loss']:.3f}")  # fmt: skip
@@ -304,18 +306,19 @@ def chars_main(args) -> None:
         redone |= {_row_key(r) for r in kept}
         rows = kept + rows
     order = list(CHAR_CONTENDERS)
-    rows.sort(key=lambda r: (order.index(r["contender"]), r["lr"], r["outer_lr"] or 0.0))
+    rows.sort(key=lambda r: (order.index(r["contender"]), r["lr"], r["outer_lr"] or 0.0, r["outer_momentum"] or 0.0))
 
     print(f"\nchars, 8 ranks, {args.steps} steps, batch {args.batch}x{args.context} bytes/rank, "
           f"AdamW inner; load average at start {env['load_average_1_5_15']}")
-    hdr = (f"{'contender':>16} {'lr':>7} {'outer lr':>8} | {'rounds per level':>22} {'global':>6} | "
+    hdr = (f"{'contender':>16} {'lr':>7} {'outer lr/m':>8} | {'rounds per level':>22} {'global':>6} | "
            f"{'val loss':>8} {'s':>6}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         rpl = ", ".join(f"{k}: {v}" for k, v in r["rounds_per_level"].items())
         rpl = rpl.replace("grad_allreduce_every_step", "grad")
-        print(f"{r['contender']:>16} {r['lr']:7g} {r['outer_lr'] or '-':>8} | {rpl:>22} {r['global_rounds']:>6} | "
+        outer = f"{r['outer_lr']:g}/{r['outer_momentum']:g}" if r["outer_lr"] else "-"
+        print(f"{r['contender']:>16} {r['lr']:7g} {outer:>8} | {rpl:>22} {r['global_rounds']:>6} | "
               f"{r['final_val_loss']:8.4f} {r['seconds']:6.1f}")
     checks = _chars_checks(rows)
     for k, v in checks.items():
@@ -350,8 +353,8 @@ def _chars_checks(rows) -> dict:
         checks["hier_outer_top_below_hier_2lvl"] = (
             best["hier_outer_top"]["final_val_loss"] < best["hier_2lvl"]["final_val_loss"]
         )
-    checks["best"] = {name: {"lr": r["lr"], "outer_lr": r["outer_lr"], "final_val_loss": r["final_val_loss"]}
-                      for name, r in best.items()}  # fmt: skip
+    checks["best"] = {name: {"lr": r["lr"], "outer_lr": r["outer_lr"], "outer_momentum": r["outer_momentum"],
+                             "final_val_loss": r["final_val_loss"]} for name, r in best.items()}  # fmt: skip
     return checks
 
 

@@ -122,15 +122,17 @@ def convergence_chars(d) -> str:
     corpus = st["corpus"]
     w(f"{st['steps']} steps, batch {st['batch']} windows of {st['context']} bytes per rank, transformer width "
       f"{st['d_model']}, AdamW inner; data: Python {corpus['python']}'s stdlib, {corpus['files']} files, "
-      f"{corpus['bytes']:,} bytes; measured {env['utc']}. Validation loss (nats per byte) of the model after the "
-      "last step, which is a top-level round; seconds: training only, 8 ranks sharing 2 cores.\n")
-    w("| contender | inner lr | outer lr | rounds per level (asserted) | global rounds | validation loss | s |")
-    w("|---|---|---|---|---|---|---|")
+      f"{corpus['bytes']:,} bytes; written {env['utc']}. Validation loss (nats per byte) of the model after the "
+      "last step, which is a top-level round; seconds: training only, 8 ranks sharing 2 cores with other jobs.\n")
+    w("| contender | inner lr | outer lr / momentum | outer on periods | rounds per level (asserted) | global rounds "
+      "| validation loss | s |")
+    w("|---|---|---|---|---|---|---|---|")
     for r in d["rows"]:
         rpl = ", ".join(f"{k}: {v}" for k, v in r["rounds_per_level"].items())
         rpl = rpl.replace("grad_allreduce_every_step", "gradient all-reduce")
-        outer = f"{r['outer_lr']:g} ({', '.join(map(str, r['outer_periods']))})" if r["outer_lr"] else "-"
-        w(f"| {r['contender']} | {r['lr']:g} | {outer} | {rpl} | {r['global_rounds']} | "
+        outer = f"{r['outer_lr']:g} / {r['outer_momentum']:g}" if r["outer_lr"] else "-"
+        periods = ", ".join(map(str, r["outer_periods"])) or "-"
+        w(f"| {r['contender']} | {r['lr']:g} | {outer} | {periods} | {rpl} | {r['global_rounds']} | "
           f"{r['final_val_loss']:.4f} | {r['seconds']:.0f} |")
     if "hier_outer_top_over_sync_dp" in c:
         w(f"\nBest of each sweep: hier_outer_top / sync_dp validation loss = **{c['hier_outer_top_over_sync_dp']:.4f}** "
