@@ -4,8 +4,9 @@ The text is the Python standard library's own source: the top-level ``*.py`` fil
 ``sysconfig.get_paths()["stdlib"]`` (the folder of the ``os`` module), which ship with every
 Python and need no download. The file list is sorted by name, so every machine with the same
 Python version gets the same data. Another minor version (3.11 -> 3.12) adds, removes and edits
-files, and so changes the data and every loss; a patch release (3.11.7 -> 3.11.9) edits a few
-files. The version and the byte count are recorded with each run (:func:`corpus_fingerprint`).
+files, and so changes the data and every loss; a patch release (3.11.7 -> 3.11.9) may edit some.
+The version, the file and byte counts and a SHA-256 of the files are recorded with each run
+(:func:`corpus_fingerprint`): equal fingerprints mean equal data.
 
 The split is non-IID by file: every tenth file (by sorted name) is held out for validation; the
 other files are dealt to the ranks round-robin, and each rank trains only on its own files. The

@@ -11,7 +11,7 @@ The 4-rank digits run is compared with a golden trajectory in
 the run is deterministic on CPU, so the tolerance is tight; regenerate the file
 after an intended change with ``HIERAVG_REGEN_GOLDEN=1 python -m pytest -q tests/test_examples.py``.
 
-Runtime budget of this file: about 90 s on 2 idle cores (each launch of 2-4 ranks
+Runtime budget of this file: about 2 minutes on 2 idle cores (each launch of 2-4 ranks
 costs 10-20 s, mostly importing torch and scikit-learn).
 """
 
