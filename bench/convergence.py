@@ -1,8 +1,9 @@
-"""Convergence of hierarchical averaging against synchronous data parallelism and local SGD.
+"""Convergence of hierarchical averaging against synchronous data parallelism, local SGD and DiLoCo.
 
 Run (a few minutes on 2 CPU cores)::
 
-    OMP_NUM_THREADS=1 python bench/convergence.py
+    OMP_NUM_THREADS=1 python bench/convergence.py                # digits (below)
+    OMP_NUM_THREADS=1 python bench/convergence.py --task chars   # the character-level LM (after the digits)
 
 Data: scikit-learn's handwritten digits (``examples/digits_common.py``), 8 ranks, split
 two ways: IID (a seeded shuffle dealt round-robin) and non-IID by label (the training set
@@ -21,12 +22,33 @@ Recorded: averaging rounds per level from ``metrics()`` (asserted equal to
 the 8 replicas, computed on a copy) evaluated on the whole training set (loss) and the
 test set (loss, accuracy). The final row is after the last step, without an extra
 averaging round. Written to ``bench/results/convergence.{json,csv,png}``.
+
+``--task chars``: a byte-level transformer on the Python standard library's own source files
+(``examples/chars_common.py``), 8 ranks, non-IID by file (each rank trains on its own files; every
+tenth file is held out for validation), AdamW as the inner optimizer (the same lr everywhere).
+Contenders (one spawn of 8 ranks per invocation runs the selected ones one after the other):
+
+* ``sync_dp``: ``DistributedDataParallel``, a gradient all-reduce every step;
+* ``local_32``: ``{32: 8}``, plain averaging of all ranks every 32 steps;
+* ``hier_2lvl``: ``{4: 4, 32: 8}``, plain averaging;
+* ``diloco_1lvl``: ``{32: 8}`` with an outer Nesterov step (one-level DiLoCo, arXiv 2311.08105);
+* ``hier_outer_top``: ``{4: 4, 32: 8}``, outer Nesterov on the top level only;
+* ``hier_outer_both``: ``{4: 4, 32: 8}``, outer Nesterov on both levels (HALoS style, arXiv 2506.04531).
+
+The outer contenders run once per ``--outer-lr`` value (momentum ``--outer-momentum``). The default
+513 steps are counts 0..512: the top level averages at counts 0, 32, ..., 512 (17 rounds, one every
+32 steps, the last one ending the run), synchronous DP all-reduces gradients 513 times. After each
+top-level round (every replica then holds the same model) and at the same steps for DP, the
+validation loss (next-byte cross-entropy, nats) is measured on 256 fixed windows of the held-out
+files. ``--merge [NAME ...]`` keeps the rows of earlier runs of the same settings that this run does
+not redo, so a sweep can be run piecewise (``--contenders none --merge A B`` only merges). Written to ``bench/results/convergence_chars.{json,png}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import sys
 
@@ -129,6 +151,213 @@ def _rank(rank: int, world_size: int, steps: int, batch: int, lr: float, hidden:
     return out
 
 
+CHAR_CONTENDERS: dict[str, tuple[dict[int, int] | None, tuple[int, ...]]] = {
+    "sync_dp": (None, ()),
+    "local_32": ({32: 8}, ()),
+    "hier_2lvl": ({4: 4, 32: 8}, ()),
+    "diloco_1lvl": ({32: 8}, (32,)),
+    "hier_outer_top": ({4: 4, 32: 8}, (32,)),
+    "hier_outer_both": ({4: 4, 32: 8}, (4, 32)),
+}
+"""name -> (``{period: group_size}``, or None for DDP; the periods with an outer Nesterov optimizer)."""
+
+
+def _chars_runs(
+    contenders: list[str], lrs: list[float], outer_lrs: list[float]
+) -> list[tuple[str, float, float | None]]:
+    """(contender, inner lr, outer lr) of every run: outer contenders once per outer lr."""
+    runs = []
+    for lr in lrs:
+        for name in contenders:
+            outer = CHAR_CONTENDERS[name][1]
+            runs += [(name, lr, olr) for olr in outer_lrs] if outer else [(name, lr, None)]
+    return runs
+
+
+def _chars_rank(rank: int, world_size: int, runs, steps: int, batch: int, context: int, d_model: int,
+                outer_momentum: float, seed: int):  # fmt: skip
+    import time
+
+    import torch
+    from chars_common import TinyTransformerLM, lm_loss, load_char_shard, sample_batch, validation_loss
+    from digits_common import replicas_identical
+
+    from hieravg_optim import HierarchicalAveragingOptimizer
+    from hieravg_optim.schedule import AveragingLevel, level_at, rounds_per_level
+
+    shard = load_char_shard(rank, world_size, context=context)
+    out = []
+    for name, lr, outer_lr in runs:
+        levels, outer = CHAR_CONTENDERS[name]
+        model = TinyTransformerLM(d_model=d_model, context=context, seed=seed)
+        inner = torch.optim.AdamW(model.parameters(), lr=lr)
+        if levels is None:
+            net, opt = torch.nn.parallel.DistributedDataParallel(model), inner
+            top_period = 32  # evaluated at the steps the averaging contenders' top level averages
+        elif outer:
+            from hieravg_optim import nesterov_outer
+
+            factories = {p: nesterov_outer(lr=outer_lr, momentum=outer_momentum) for p in outer}
+            net, opt = model, HierarchicalAveragingOptimizer(inner, levels, outer_optimizers=factories)
+            top_period = max(levels)
+        else:
+            net, opt = model, HierarchicalAveragingOptimizer(inner, levels)
+            top_period = max(levels)
+        gen = torch.Generator().manual_seed(seed * 100_003 + rank)  # the same batches for every contender
+        curve = [(0, validation_loss(model, shard))]
+        eval_seconds = 0.0
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        for count in range(steps):
+            x, y = sample_batch(shard.train, batch, context, gen)
+            opt.zero_grad()
+            lm_loss(net, x, y).backward()
+            opt.step()
+            if count % top_period == 0:  # after a top-level round: the replicas are one model
+                t_eval = time.perf_counter()
+                curve.append((count + 1, validation_loss(model, shard)))
+                eval_seconds += time.perf_counter() - t_eval
+        seconds = time.perf_counter() - t0 - eval_seconds
+        row = {"contender": name, "lr": lr, "outer_lr": outer_lr, "outer_momentum": outer_momentum if outer else None,
+               "levels": levels, "outer_periods": list(outer), "curve": curve, "seconds": seconds}  # fmt: skip
+        if levels is None:
+            row["global_rounds"] = steps
+            row["rounds_per_level"] = {"grad_allreduce_every_step": steps}
+        else:
+            metrics = opt.metrics()
+            expected = rounds_per_level(0, steps, [AveragingLevel(p, g) for p, g in levels.items()], 0)
+            got = [metrics[p]["rounds"] for p in levels]
+            assert got == expected, f"{name}: rounds per level {got} != rounds_per_level {expected}"
+            assert level_at(steps - 1, levels, 0) == len(levels) - 1, "the run must end on a top-level round"
+            row["rounds_per_level"] = {str(p): metrics[p]["rounds"] for p in levels}
+            row["global_rounds"] = metrics[max(levels)]["rounds"]
+            row["pseudo_grad_norm_last_round"] = {str(p): metrics[p].get("pseudo_grad_norm") for p in levels}
+        row["replicas_identical"] = replicas_identical(list(model.parameters()))
+        out.append(row)
+        if rank == 0:
+            print(f"run {len(out)}/{len(runs)}: {name} lr {lr:g} outer lr {outer_lr}: validation loss "
+                  f"{curve[-1][1]:.4f}, {seconds:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def _row_key(r) -> tuple:
+    return (r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"])
+
+
+def _plot_chars(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for r in rows:
+        label = f"{r['contender']} (lr {r['lr']:g}" + (
+            f", outer lr {r['outer_lr']:g}, momentum {r['outer_momentum']:g})" if r["outer_lr"] else ")"
+        )
+        style = "-" if r["outer_lr"] else ("--" if r["levels"] else ":")
+        ax.plot([c[0] for c in r["curve"][1:]], [c[1] for c in r["curve"][1:]], style, marker="o", ms=2.5,
+                label=f"{label}: {r['final_val_loss']:.3f}")  # fmt: skip
+    ax.set_xlabel("step (validation after each top-level round: every 32 steps)")
+    ax.set_ylabel("validation loss, nats per byte")
+    finals = [r["final_val_loss"] for r in rows]
+    ax.set_ylim(min(finals) - 0.1, min(finals) + 1.0)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def chars_main(args) -> None:
+    from chars_common import corpus_fingerprint
+
+    contenders = args.contenders.split(",") if args.contenders else list(CHAR_CONTENDERS)
+    contenders = [] if contenders == ["none"] else contenders
+    unknown = sorted(set(contenders) - set(CHAR_CONTENDERS))
+    if unknown:
+        raise SystemExit(f"--contenders: unknown {unknown}; choose from {sorted(CHAR_CONTENDERS)}")
+    lrs = [float(v) for v in str(args.lr).split(",")]
+    outer_lrs = [float(v) for v in args.outer_lr.split(",")]
+    runs = _chars_runs(contenders, lrs, outer_lrs)
+    env = environment()
+    settings = {"steps": args.steps, "batch": args.batch, "context": args.context, "d_model": args.d_model,
+                "seed": args.seed, "world_size": 8, "corpus": corpus_fingerprint()}  # fmt: skip
+    print(f"{len(runs)} runs: {runs}", flush=True)
+    rows = []
+    if runs:
+        per_rank = spawn(_chars_rank, 8, runs, args.steps, args.batch, args.context, args.d_model,
+                         args.outer_momentum, args.seed)  # fmt: skip
+        rows = per_rank[0]  # the validation losses are all-reduced: the same on every rank
+    for r in rows:
+        r["final_val_loss"] = r["curve"][-1][1]
+        r["environment_load_average"] = env["load_average_1_5_15"]
+    path = os.path.join(RESULTS_DIR, f"{args.name}.json")
+    redone = {_row_key(r) for r in rows}
+    for name in args.merge if args.merge is not None else []:
+        earlier_path = os.path.join(RESULTS_DIR, f"{name or args.name}.json")
+        if not os.path.exists(earlier_path):
+            continue
+        with open(earlier_path) as f:
+            earlier = json.load(f)
+        if earlier["settings"] != settings:
+            raise SystemExit(f"--merge: {earlier_path} has other settings {earlier['settings']}, this run {settings}")
+        kept = [r for r in earlier["rows"] if _row_key(r) not in redone]
+        redone |= {_row_key(r) for r in kept}
+        rows = kept + rows
+    order = list(CHAR_CONTENDERS)
+    rows.sort(key=lambda r: (order.index(r["contender"]), r["lr"], r["outer_lr"] or 0.0, r["outer_momentum"] or 0.0))
+
+    print(f"\nchars, 8 ranks, {args.steps} steps, batch {args.batch}x{args.context} bytes/rank, "
+          f"AdamW inner; load average at start {env['load_average_1_5_15']}")
+    hdr = (f"{'contender':>16} {'lr':>7} {'outer lr/m':>8} | {'rounds per level':>22} {'global':>6} | "
+           f"{'val loss':>8} {'s':>6}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        rpl = ", ".join(f"{k}: {v}" for k, v in r["rounds_per_level"].items())
+        rpl = rpl.replace("grad_allreduce_every_step", "grad")
+        outer = f"{r['outer_lr']:g}/{r['outer_momentum']:g}" if r["outer_lr"] else "-"
+        print(f"{r['contender']:>16} {r['lr']:7g} {outer:>8} | {rpl:>22} {r['global_rounds']:>6} | "
+              f"{r['final_val_loss']:8.4f} {r['seconds']:6.1f}")
+    checks = _chars_checks(rows)
+    for k, v in checks.items():
+        print(f"{k}: {v}")
+    payload = {"environment": env, "settings": settings, "args": vars(args), "rows": rows, "checks": checks}
+    write_json(f"{args.name}.json", payload)
+    png = os.path.join(RESULTS_DIR, f"{args.name}.png")
+    best = _best_rows(rows)
+    _plot_chars(best, png, f"stdlib bytes, 8 ranks non-IID by file, {args.steps} steps: best inner/outer lr per contender")
+    print(f"written: {path}, {png}")
+
+
+def _best_rows(rows) -> list[dict]:
+    """Per contender, the row with the lowest final validation loss (over the swept lrs)."""
+    best: dict[str, dict] = {}
+    for r in rows:
+        if r["contender"] not in best or r["final_val_loss"] < best[r["contender"]]["final_val_loss"]:
+            best[r["contender"]] = r
+    return [best[name] for name in CHAR_CONTENDERS if name in best]
+
+
+def _chars_checks(rows) -> dict:
+    """The goal of the DiLoCo contenders, on the best row of each contender (lrs swept)."""
+    best = {r["contender"]: r for r in _best_rows(rows)}
+    checks: dict = {}
+    if {"sync_dp", "hier_outer_top"} <= set(best):
+        dp, top = best["sync_dp"], best["hier_outer_top"]
+        checks["hier_outer_top_over_sync_dp"] = top["final_val_loss"] / dp["final_val_loss"]
+        checks["hier_outer_top_within_3pct_of_sync_dp"] = top["final_val_loss"] <= 1.03 * dp["final_val_loss"]
+        checks["global_rounds_sync_dp_over_hier"] = dp["global_rounds"] / top["global_rounds"]
+    if {"hier_2lvl", "hier_outer_top"} <= set(best):
+        checks["hier_outer_top_below_hier_2lvl"] = (
+            best["hier_outer_top"]["final_val_loss"] < best["hier_2lvl"]["final_val_loss"]
+        )
+    checks["best"] = {name: {"lr": r["lr"], "outer_lr": r["outer_lr"], "outer_momentum": r["outer_momentum"],
+                             "final_val_loss": r["final_val_loss"]} for name, r in best.items()}  # fmt: skip
+    return checks
+
+
 def _plot(rows, path):
     import matplotlib
 
@@ -154,13 +383,36 @@ def _plot(rows, path):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=640, help="optimizer steps per run (a multiple of 32)")
-    parser.add_argument("--batch", type=int, default=16, help="per-rank batch size")
-    parser.add_argument("--lr", type=float, default=0.02)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--eval-every", type=int, default=16)
-    parser.add_argument("--name", default="convergence", help="output files bench/results/NAME.{json,csv,png}")
+    parser.add_argument("--task", choices=("digits", "chars"), default="digits")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps per run (digits: 640, a multiple of 32; chars: 513 = 16 x 32 + 1)")
+    parser.add_argument("--batch", type=int, default=16, help="per-rank batch size (windows for chars)")
+    parser.add_argument("--lr", default=None,
+                        help="inner lr (digits: SGD, 0.02; chars: AdamW, 6e-3, or a comma-separated list to sweep)")
+    parser.add_argument("--hidden", type=int, default=64, help="digits: MLP width")
+    parser.add_argument("--eval-every", type=int, default=16, help="digits: evaluate every N steps")
+    parser.add_argument("--context", type=int, default=64, help="chars: bytes per window")
+    parser.add_argument("--d-model", type=int, default=64, help="chars: transformer width")
+    parser.add_argument("--seed", type=int, default=0, help="chars: init and batch sampling")
+    parser.add_argument("--contenders", default=None,
+                        help=f"chars: comma-separated subset of {list(CHAR_CONTENDERS)}, or none")
+    parser.add_argument("--outer-lr", default="0.7", help="chars: outer Nesterov lr, or a comma-separated list")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="chars: outer Nesterov momentum")
+    parser.add_argument("--merge", nargs="*", default=None, metavar="NAME",
+                        help="chars: keep the rows of bench/results/NAME.json (default: this run's own file) that this "
+                        "run does not redo; with --contenders none, only merge")
+    parser.add_argument("--name", default=None,
+                        help="output files bench/results/NAME.* (default: convergence / convergence_chars)")
     args = parser.parse_args()
+    if args.task == "chars":
+        args.steps = args.steps or 513
+        args.lr = args.lr or "6e-3"
+        args.name = args.name or "convergence_chars"
+        chars_main(args)
+        return
+    args.steps = args.steps or 640
+    args.lr = float(args.lr or 0.02)
+    args.name = args.name or "convergence"
     env = environment()
     per_rank = spawn(_rank, 8, args.steps, args.batch, args.lr, args.hidden, args.eval_every)
     rows = per_rank[0]  # the averaged-model evaluations are identical on every rank

@@ -2,10 +2,10 @@
 
     python bench/report.py          # print every table to stdout
     python bench/report.py --docs   # write them to docs/snippets/bench_<name>.md for the docs site,
-                                    # and copy bench/results/convergence.png to docs/img/
+                                    # and copy bench/results/convergence*.png to docs/img/
 
-Reads whatever of ``averaging.json``, ``overhead.json``, ``convergence.json`` and
-``multinode.json`` exists; it measures nothing itself. ``docs/performance.md`` includes the
+Reads whatever of ``averaging.json``, ``overhead.json``, ``convergence.json``,
+``convergence_chars.json`` and ``multinode.json`` exists; it measures nothing itself. ``docs/performance.md`` includes the
 ``--docs`` files (``--8<--`` snippets), so rerun it after a benchmark rewrites its results.
 """
 
@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 DOCS_SNIPPETS = os.path.join(ROOT, "docs", "snippets")
 DOCS_IMAGES = os.path.join(ROOT, "docs", "img")
-PLOTS = ("convergence.png",)
+PLOTS = ("convergence.png", "convergence_chars.png")
 """Plots under ``bench/results/`` that the performance page shows, copied by ``--docs``."""
 
 
@@ -115,6 +115,33 @@ def convergence(d) -> str:
     return "".join(out)
 
 
+def convergence_chars(d) -> str:
+    out: list[str] = []
+    w = _writer(out)
+    st, env, c = d["settings"], d["environment"], d["checks"]
+    corpus = st["corpus"]
+    w(f"{st['steps']} steps, batch {st['batch']} windows of {st['context']} bytes per rank, transformer width "
+      f"{st['d_model']}, AdamW inner; data: Python {corpus['python']}'s stdlib, {corpus['files']} files, "
+      f"{corpus['bytes']:,} bytes; written {env['utc']}. Validation loss (nats per byte) of the model after the "
+      "last step, which is a top-level round; seconds: training only, 8 ranks sharing 2 cores with other jobs.\n")
+    w("| contender | inner lr | outer lr / momentum | outer on periods | rounds per level (asserted) | global rounds "
+      "| validation loss | s |")
+    w("|---|---|---|---|---|---|---|---|")
+    for r in d["rows"]:
+        rpl = ", ".join(f"{k}: {v}" for k, v in r["rounds_per_level"].items())
+        rpl = rpl.replace("grad_allreduce_every_step", "gradient all-reduce")
+        outer = f"{r['outer_lr']:g} / {r['outer_momentum']:g}" if r["outer_lr"] else "-"
+        periods = ", ".join(map(str, r["outer_periods"])) or "-"
+        w(f"| {r['contender']} | {r['lr']:g} | {outer} | {periods} | {rpl} | {r['global_rounds']} | "
+          f"{r['final_val_loss']:.4f} | {r['seconds']:.0f} |")
+    if "hier_outer_top_over_sync_dp" in c:
+        w(f"\nBest of each sweep: hier_outer_top / sync_dp validation loss = **{c['hier_outer_top_over_sync_dp']:.4f}** "
+          f"(within 3%: **{c['hier_outer_top_within_3pct_of_sync_dp']}**) with "
+          f"{c['global_rounds_sync_dp_over_hier']:.1f}x fewer global rounds; below plain hier_2lvl: "
+          f"**{c.get('hier_outer_top_below_hier_2lvl')}**.")
+    return "".join(out)
+
+
 def multinode(d) -> str:
     out: list[str] = []
     w = _writer(out)
@@ -134,7 +161,8 @@ def multinode(d) -> str:
     return "".join(out)
 
 SECTIONS: tuple[tuple[str, Callable[[dict], str]], ...] = (
-    ("averaging", averaging), ("overhead", overhead), ("convergence", convergence), ("multinode", multinode),
+    ("averaging", averaging), ("overhead", overhead), ("convergence", convergence),
+    ("convergence_chars", convergence_chars), ("multinode", multinode),
 )
 
 

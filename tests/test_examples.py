@@ -11,7 +11,7 @@ The 4-rank digits run is compared with a golden trajectory in
 the run is deterministic on CPU, so the tolerance is tight; regenerate the file
 after an intended change with ``HIERAVG_REGEN_GOLDEN=1 python -m pytest -q tests/test_examples.py``.
 
-Runtime budget of this file: about 90 s on 2 idle cores (each launch of 2-4 ranks
+Runtime budget of this file: about 2 minutes on 2 idle cores (each launch of 2-4 ranks
 costs 10-20 s, mostly importing torch and scikit-learn).
 """
 
@@ -143,3 +143,37 @@ def test_documented_quickstart_runs(tmp_path, name):
     assert sorted(printed) == ["0", "1", "2", "3"], result.stdout
     for rank, rounds in printed.items():
         assert rounds == shown_match.group(4), f"rank {rank} printed rounds {rounds}, the docs show {shown!r}"
+
+
+CHARS_EXAMPLE = ROOT / "examples" / "train_chars_diloco.py"
+
+
+def test_train_chars_diloco_4_ranks_outer_on_both_levels(tmp_path):
+    """The char-LM DiLoCo example, shrunk: 4 ranks, {2: 2, 8: 4} with Nesterov on both levels, 17 steps.
+
+    Counts 0..16: the top level (all 4 ranks) averages at 0, 8, 16, so the run ends on a top-level
+    round; the pairs at the 6 other even counts. The validation loss is measured after each
+    top-level round and must fall; the replicas must be bitwise identical after every one of them.
+    """
+    out, png = tmp_path / "chars.json", tmp_path / "chars.png"
+    args = ["--period-group-size", "2:2,8:4", "--outer", "both", "--steps", "17", "--batch-size", "8",
+            "--context", "32", "--d-model", "32", "--val-windows", "32", "--lr", "3e-3"]  # fmt: skip
+    result = torchrun(4, CHARS_EXAMPLE, *args, "--metrics-out", str(out), "--plot", str(png), progress_bar=True)
+    check_ok(result)
+    metrics = json.loads(out.read_text())
+    assert metrics["world_size"] == 4 and metrics["outer_periods"] == [2, 8]
+    assert metrics["rounds_per_level"] == hand_rounds(17, {2: 2, 8: 4}, 0) == {"2": 6, "8": 3}
+    assert metrics["rounds_per_level"] == metrics["expected_rounds_per_level"]
+    assert metrics["final_extra_top_round"] is False
+    assert metrics["replicas_identical"] is True
+    assert [step for step, _ in metrics["val_curve"]] == [0, 1, 9, 17]
+    losses = [loss for _, loss in metrics["val_curve"]]
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0] - 0.5, losses  # from ~ln(256) = 5.5 nats per byte, clearly learning
+    for period in ("2", "8"):  # both levels took outer steps on a non-zero pseudo-gradient and hold state
+        assert metrics["pseudo_grad_norm_per_level"][period] > 0, metrics["pseudo_grad_norm_per_level"]
+        assert metrics["outer_bytes_per_level"][period] > 0, metrics["outer_bytes_per_level"]
+    assert metrics["corpus"]["files"] > 100 and metrics["corpus"]["bytes"] > 10**6
+    assert png.stat().st_size > 10_000
+    assert result.stdout.count("validation loss") == 1, result.stdout  # printed by rank 0 only
+    assert "chars: 100%" in result.stderr and "17/17" in result.stderr  # rank 0's progress bar
