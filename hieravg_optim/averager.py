@@ -233,6 +233,11 @@ class HierarchicalAverager:
             OuterLevel(lv.period, factories[lv.period], device) if lv.period in factories else None
             for lv in config.levels
         ]
+        self.outer_skip_last: int = 0
+        """How many tensors at the end of every list given to :meth:`take_anchors` and :meth:`average` are
+        averaged plainly at levels with an outer optimizer: no anchor, no outer step. The DeepSpeed adapter
+        sets it to its number of module buffers, whose running statistics (BatchNorm's ``running_var``) an
+        outer step with momentum could push out of range (a negative variance)."""
 
     @property
     def levels(self) -> tuple[AveragingLevel, ...]:
@@ -284,7 +289,7 @@ class HierarchicalAverager:
         Raises:
             TypeError: if a factory returns something other than a ``torch.optim.Optimizer``.
         """
-        tensors = [local_tensor(t) for t in tensors]
+        tensors = self._outer_part(tensors)
         for outer in self._outer:
             if outer is not None:
                 outer.take(tensors)
@@ -399,7 +404,7 @@ class HierarchicalAverager:
                 raise error
             start = time.perf_counter()
             if outer is not None:
-                outer.step([local_tensor(t) for t in tensors])
+                outer.step(self._outer_part(tensors))
                 metrics.pseudo_grad_norm = outer.pseudo_grad_norm
             self._reset_lower_anchors(level_index, tensors)
             metrics.rounds += 1
@@ -436,14 +441,18 @@ class HierarchicalAverager:
             )
             if outer is not None:
                 if not outer.synced:
-                    payload += self._sync_anchors(outer, lg, tensors, bad, divisor)
-                outer.step([local_tensor(t) for t in tensors])
+                    payload += self._sync_anchors(outer, lg, self._outer_part(tensors), bad, divisor)
+                outer.step(self._outer_part(tensors))
                 metrics.pseudo_grad_norm = outer.pseudo_grad_norm
         self._reset_lower_anchors(level_index, tensors)
         metrics.rounds += 1
         metrics.payload_bytes += payload
         metrics.bytes_sent += bytes_sent(payload, lg)
         metrics.seconds += time.perf_counter() - start
+
+    def _outer_part(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The local tensors of ``tensors`` that levels with an outer optimizer anchor (all but :attr:`outer_skip_last`)."""
+        return [local_tensor(t) for t in tensors[: len(tensors) - self.outer_skip_last]]
 
     def _outer_error(self, outer: OuterLevel, tensors: Sequence[torch.Tensor]) -> BaseException | None:
         """The local error of a round at a level with an outer optimizer, raised on every rank by its agreement."""
@@ -455,7 +464,7 @@ class HierarchicalAverager:
                 "(past the warm-up): call HierarchicalAverager.take_anchors(tensors) once the replicas are "
                 "equal (at construction, after any broadcast from the first replica), before the first round."
             )
-        why = outer.mismatch([local_tensor(t) for t in tensors])
+        why = outer.mismatch(self._outer_part(tensors))
         if why is None:
             return None
         return RuntimeError(
@@ -496,7 +505,7 @@ class HierarchicalAverager:
         """After a round at ``level_index``: the anchors of every lower level with an outer optimizer := ``tensors``."""
         lower = [o for o in self._outer[:level_index] if o is not None and o.anchors is not None]
         if lower:
-            local = [local_tensor(t) for t in tensors]
+            local = self._outer_part(tensors)
             for o in lower:
                 if o.mismatch(local) is None:
                     o.reset(local)

@@ -416,6 +416,43 @@ def _shipped_config_case(rank):
     }
 
 
+def _buffers_case(rank):
+    """BatchNorm buffers are averaged plainly at a level with an outer optimizer: never outer-stepped."""
+    import torch
+
+    import hieravg_optim.deepspeed as hds
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    engine = hds.initialize(model=model, model_parameters=model.parameters(), config=_config(1, "fp32", _section(NESTEROV)))[0]
+    state = hds.get_averaging(engine)
+    bn = engine.module[1]
+    rounds = []
+    for i in range(2 * PERIOD + 1):  # rounds at counts 0, 2, 4
+        g = torch.Generator().manual_seed(1000 * rank + i)
+        x = torch.randn(4, 8, generator=g) * (1 + rank)  # every rank sees other statistics
+        engine.backward((engine(x) - torch.randn(4, 4, generator=g)).pow(2).mean())
+        before = [bn.running_mean.clone(), bn.running_var.clone()]
+        engine.step()
+        if i % PERIOD == 0:  # a round over the level, then the buffers' mean over the replica: the world's mean
+            rounds.append((before, [bn.running_mean.clone(), bn.running_var.clone()]))
+    errors, differed = [], []
+    for before, after in rounds:
+        everyone = _gather(before)
+        mean = [sum(r[k] for r in everyone) / len(everyone) for k in range(2)]
+        errors.append(_max_diff(after, mean))
+        differed.append(_max_diff(everyone[0], everyone[-1]) > 1e-3)
+    outer = state.averager.state_dict()["outer"][PERIOD]
+    return {
+        "rounds": len(rounds),
+        "buffer_errors": errors,
+        "replicas_differed": differed,
+        "anchors": len(outer["anchors"]),
+        "masters": len(state.master_tensors()),
+        "running_var_min": float(bn.running_var.min()),
+    }
+
+
 def _all_scenarios(rank, world_size, folder):
     import torch
 
@@ -430,6 +467,7 @@ def _all_scenarios(rank, world_size, folder):
     scenarios["resume_zero3_fp32"] = lambda r: _resume_case(r, 3, "fp32", os.path.join(folder, "z3"))
     scenarios["resume_edges_zero1_fp32"] = lambda r: _resume_edges_case(r, os.path.join(folder, "edges"))
     scenarios["shipped_config"] = _shipped_config_case
+    scenarios["buffers_zero1_fp32"] = _buffers_case
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return run_scenarios(scenarios, rank)
@@ -616,3 +654,13 @@ def test_outer_state_device_without_outer_optimizer_warns():
     with pytest.warns(UserWarning, match='"outer_state_device": \'cpu\' has no effect without "outer_optimizer"'):
         settings = parse_section({**_PGS, "outer_state_device": "cpu"})
     assert settings.outer_optimizers() == {}
+
+
+def test_buffers_are_averaged_plainly_at_an_outer_level(results):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["buffers_zero1_fp32"]
+        assert r["rounds"] == 3, (rank, r)
+        assert any(r["replicas_differed"][1:]), f"rank {rank}: buffers equal before every round; the test is vacuous"
+        assert max(r["buffer_errors"]) <= 1e-6, (rank, r["buffer_errors"])
+        assert r["anchors"] == r["masters"], (rank, r)  # anchors cover the fp32 masters, not the buffers
+        assert r["running_var_min"] > 0, (rank, r)

@@ -177,6 +177,8 @@ class DeepSpeedAveraging:
             [b.detach() for b in engine.module.buffers() if b.is_floating_point()] if average_buffers else []
         )
         """The module's floating-point buffers this averaging averages (empty without ``average_buffers``)."""
+        # Buffers come last in tensors_to_average(); an outer optimizer steps the weights only.
+        self.averager.outer_skip_last = len(self.buffers)
         world = list(range(dist.get_world_size()))
         with torch.no_grad(), named_collective("the broadcast of the module's buffers from rank 0 at construction", world):
             for b in self.buffers:
