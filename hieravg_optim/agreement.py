@@ -197,24 +197,30 @@ def check_agreement(
 def has_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether any element of ``tensors`` is a NaN or an infinity; local, no collective.
 
-    One reduction per tensor, reading each element once: a sum is non-finite whenever an element
-    is (NaN and infinities propagate), so only a tensor whose sum is non-finite is checked element
-    by element, which tells a non-finite element from a finite sum that overflowed. float16 and
-    bfloat16 are summed in float32. Extra memory: one scalar per tensor (plus, for a tensor whose
-    sum is non-finite, a bool tensor of its size).
+    Exact, and read once: each tensor is summed (float16 and bfloat16 in float32), and the sums of
+    each (device, dtype) are checked together, with one host synchronisation per such group (one in
+    all for a model of one dtype on one device). A sum is non-finite whenever an element is (NaN and
+    infinities propagate); it can also be non-finite for finite elements whose sum overflows (beyond
+    about 3.4e38 in float32), so only a tensor whose sum is non-finite is then checked element by
+    element, which tells the two apart. Extra memory: one scalar per tensor (plus, only for a tensor
+    whose sum is non-finite, a bool tensor of its size). Cost measured in ``bench/averaging.py``
+    (``docs/faults.md``).
     """
-    sums = []
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for t in tensors:
         if t.numel() and (t.is_floating_point() or t.is_complex()):
-            sums.append(t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum())
-    if not sums:
-        return False
-    # One host synchronisation for all the tensors, whatever their devices.
-    finite = torch.stack([torch.isfinite(s).all().to(sums[0].device) for s in sums]).tolist()
-    if all(finite):
-        return False
-    candidates = [t for t in tensors if t.numel() and (t.is_floating_point() or t.is_complex())]
-    return any(not bool(torch.isfinite(t).all()) for t, ok in zip(candidates, finite) if not ok)
+            s = t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()
+            members, sums = groups.setdefault((t.device, s.dtype), ([], []))
+            members.append(t)
+            sums.append(s)
+    for members, sums in groups.values():
+        finite = torch.isfinite(torch.stack(sums))
+        if bool(finite.all()):
+            continue
+        # A non-finite sum: a non-finite element, or finite elements whose sum overflowed.
+        if any(not bool(torch.isfinite(t).all()) for t, ok in zip(members, finite.tolist()) if not ok):
+            return True
+    return False
 
 
 def tensor_signature(tensors: Sequence[torch.Tensor]) -> list[tuple[tuple[int, ...], str]]:

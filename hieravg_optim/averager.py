@@ -389,6 +389,9 @@ class HierarchicalAverager:
                 round fails (a dead or hung peer, ranks out of step): naming the round, the step count
                 and the subgroup's ranks, chained to the backend's error
                 (:func:`hieravg_optim.faults.named_collective`).
+            WireOverflowError: (a ``RuntimeError``) on every rank of the subgroup, with ``comm_dtype`` float16
+                at this level and ``nonfinite`` other than ``"ignore"``, if the float16 sums overflowed; every
+                tensor is left unchanged (see :func:`hieravg_optim.averaging.average_tensors_`).
             Exception: ``error``, if given.
         """
         level_index = range(len(self.level_groups))[level_index]
@@ -438,6 +441,8 @@ class HierarchicalAverager:
                 divisor=divisor,
                 comm_dtype=self.config.comm_dtype[level_index] if self.config.comm_dtype else None,
                 node=lg.node,
+                check_wire=self.config.nonfinite != "ignore",
+                what=round_name,
             )
             if outer is not None:
                 if not outer.synced:

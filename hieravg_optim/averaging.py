@@ -40,6 +40,10 @@ Memory: at most one reusable bucket per (device, wire dtype), of at most
 tensor reduced in place, one temporary contiguous copy of that tensor. The sum is
 divided by the group size (or a given divisor) after the all-reduce, so means of small
 integers are exact.
+
+A float16 wire (``comm_dtype="float16"``) is checked for overflow: its tensors go through one
+buffer of their whole float16 payload (kept in the pool instead of a bucket), and a non-finite
+all-reduced element raises :class:`WireOverflowError` on every rank before any tensor is written.
 """
 
 from __future__ import annotations
@@ -54,7 +58,14 @@ import torch.distributed as dist
 from ._handover import hand_over
 from .comm_dtype import COMM_DTYPES, wire_dtype
 
-__all__ = ["BucketPool", "NodeGroups", "accumulation_dtype", "average_tensors_", "overlaps_itself"]
+__all__ = [
+    "BucketPool",
+    "NodeGroups",
+    "WireOverflowError",
+    "accumulation_dtype",
+    "average_tensors_",
+    "overlaps_itself",
+]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -399,6 +410,82 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGr
     fn(output, input, group=group)
 
 
+class WireOverflowError(RuntimeError):
+    """A float16 all-reduce (``comm_dtype="float16"``) produced a NaN or an infinity; no tensor was written.
+
+    Raised by :func:`average_tensors_` on every rank of the group alike: the all-reduced data is the
+    same on every rank, so every rank decides the same way, without a collective.
+    """
+
+
+_CHECKED_WIRE = (torch.float16,)
+"""Wire dtypes whose all-reduced sums are checked for overflow before any tensor is written (float16's
+largest value is 65504: a sum of a few replicas' values near it overflows, where a float32 or bfloat16 sum
+would need values near 3.4e38)."""
+
+
+def _reduce_staged(
+    packed: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, torch.dtype]]],
+    group: dist.ProcessGroup,
+    divisor: float,
+    pool: BucketPool,
+    node: NodeGroups | None,
+    what: str,
+) -> None:
+    """Average ``packed`` (float16 on the wire) through one buffer per device, checked before any tensor is written.
+
+    Every tensor is packed into one buffer holding the whole float16 payload (no bucket cap, no tensor
+    reduced in its own storage), the buffer is all-reduced (SUM; node-aware: reduce-scatter in the node,
+    all-reduce across nodes, all-gather), and its sum is formed in float32, which cannot overflow for
+    float16 elements: the sum is finite exactly when every element is. Only then is the buffer divided by
+    ``divisor`` and unpacked. Extra memory: the float16 payload, once (kept in ``pool``).
+
+    Raises:
+        WireOverflowError: if an all-reduced element is not finite, before any tensor is written.
+    """
+    m = 1 if node is None else node.local_size
+    staged = []
+    for (device, wire), items in packed.items():
+        total = sum(t.numel() for t, _ in items)
+        padded = -(-total // m) * m
+        buffer = pool.get(device, wire, padded)[:padded]
+        (chunk,) = _flat_pieces(items, total)
+        _pack(chunk, buffer[:total])
+        buffer[total:].zero_()
+        hand_over(buffer)
+        if node is None:
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        else:
+            shard = torch.empty(padded // m, dtype=wire, device=device)
+            _reduce_scatter(shard, buffer, node.local)
+            if node.cross is not None:
+                dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=node.cross)
+            _all_gather(buffer, shard, node.local)
+        staged.append((items, chunk, buffer[:total]))
+    sums = [view.sum(dtype=torch.float32) for _, _, view in staged]
+    if not bool(torch.isfinite(torch.stack([s.cpu() for s in sums])).all()):
+        for items, _, view in staged:
+            offset = 0
+            for index, (t, _) in enumerate(items):
+                piece = view[offset : offset + t.numel()]
+                offset += t.numel()
+                bad = int((~torch.isfinite(piece)).sum())
+                if bad:
+                    ranks = dist.get_process_group_ranks(group)
+                    raise WireOverflowError(
+                        f'{what}: the float16 all-reduce (comm_dtype "float16") over the group of ranks {ranks} '
+                        f"produced {bad} non-finite value{'s' if bad > 1 else ''} in tensor {index} (shape "
+                        f"{tuple(t.shape)}, dtype {str(t.dtype).removeprefix('torch.')}): a sum of the replicas' "
+                        f"values beyond float16's largest, 65504 (a mean above 65504 / {divisor:g} = "
+                        f"{65504 / divisor:g}), or a value beyond it rounded to float16. No tensor was written: "
+                        "every rank of the group raises here. Send this level in float32 or bfloat16 "
+                        '(comm_dtype="fp32" or "bf16", or {period: "bf16"} for this level only).'
+                    )
+        raise AssertionError("a non-finite float32 sum of float16 elements that are all finite")
+    for _, chunk, view in staged:
+        _unpack(chunk, view, divisor)
+
+
 Path = Literal["auto", "pipelined", "coalesced"]
 ReduceOpName = Literal["auto", "avg", "sum"]
 
@@ -417,6 +504,8 @@ def average_tensors_(
     reduce_op: ReduceOpName = "auto",
     direct_min_bytes: int | None = None,
     coalesce: bool | None = None,
+    check_wire: bool = True,
+    what: str = "the averaging round",
 ) -> int:
     """Replace every tensor by its mean over ``group`` (or its sum divided by ``divisor``), in place.
 
@@ -450,6 +539,12 @@ def average_tensors_(
             :func:`torch.distributed._coalescing_manager` group per dtype (``True``), or one by one,
             asynchronously (``False``); ``None``: on NCCL only (gloo's coalesced all-reduce copies
             into one flat buffer).
+        check_wire: Check the all-reduced sums of a float16 wire (``comm_dtype="float16"``) for overflow before
+            any tensor is written. Those tensors then go through one buffer of the whole float16 payload
+            (extra memory: that payload, once), all-reduced before the others, and an overflow raises
+            :class:`WireOverflowError` on every rank with every tensor unchanged. ``False``: the float16
+            wire is bucketed like the others and an overflow writes infinities (``nonfinite="ignore"``).
+        what: Names the round in the error message (the averager passes the step count and the level).
 
     Returns:
         The payload this rank all-reduced, in bytes of the wire dtypes.
@@ -457,6 +552,8 @@ def average_tensors_(
     Raises:
         TypeError: for a tensor that is not floating point or complex.
         ValueError: for an unknown ``path``, ``reduce_op`` or ``comm_dtype``, or a non-positive ``divisor``.
+        WireOverflowError: (a ``RuntimeError``) with ``check_wire``, on every rank of ``group``, if a float16
+            all-reduce produced a NaN or an infinity; no tensor has been written.
     """
     if path not in ("auto", "pipelined", "coalesced"):
         raise ValueError(f'path must be "auto", "pipelined" or "coalesced", got {path!r}.')
@@ -484,6 +581,16 @@ def average_tensors_(
     if not items:
         return payload
     div = float(group_size if divisor is None else divisor)
+    if check_wire and any(w in _CHECKED_WIRE for _, w in items):
+        # First, so that an overflow raises before any other tensor is averaged either.
+        staged: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, torch.dtype]]] = {}
+        for t, w in items:
+            if w in _CHECKED_WIRE:
+                staged.setdefault((t.device, w), []).append((t, w))
+        _reduce_staged(staged, group, div, pool, node, what)
+        items = [(t, w) for t, w in items if w not in _CHECKED_WIRE]
+        if not items:
+            return payload
     by_key: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, torch.dtype]]] = {}
     if node is not None:
         for t, w in items:

@@ -196,3 +196,66 @@ def test_comm_dtype_mapping_keys_are_periods_given_once():
         AveragingConfig.create({2: 2, 4: 4}, comm_dtype={2: None, " 2": "bf16"})
     config = AveragingConfig.create({np.int64(2): 2, 4: 4}, comm_dtype={np.int64(4): "bf16"})
     assert config.comm_dtype == (None, "bfloat16")
+
+
+# --------------------------------------------------------------------------------------------------
+def _auto_without_local_world_size(rank: int, world_size: int) -> dict:
+    """ranks_per_node="auto" where rank 1 has neither LOCAL_WORLD_SIZE nor LOCAL_SIZE: every rank raises at once."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import hieravg_optim.deepspeed as hds
+    from hieravg_optim import HierarchicalAverager, HierarchicalAveragingOptimizer
+    from hieravg_optim.agreement import raise_on_every_rank
+    from tests.test_deepspeed import _client_optimizer, _config, _model
+
+    if rank == 1:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        os.environ.pop("LOCAL_SIZE", None)
+    else:
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+    out = {}
+    param = torch.nn.Parameter(torch.zeros(3))
+    section = {"period_group_size": {"2": 2}, "ranks_per_replica": 1, "ranks_per_node": "auto"}
+
+    def averager():  # the recipe of docs/faults.md for a config built by hand
+        try:
+            config = AveragingConfig.create({2: 2}, ranks_per_node="auto")
+        except ValueError as err:
+            raise_on_every_rank(err, None, "the averaging config")
+        return HierarchicalAverager(config)
+
+    for name, build in (
+        ("optimizer", lambda: HierarchicalAveragingOptimizer(torch.optim.SGD([param], lr=0.1), {2: 2},
+                                                             ranks_per_node="auto")),
+        ("averager", averager),
+        ("deepspeed", lambda: hds.initialize(model=(m := _model()), optimizer=_client_optimizer(m),
+                                             config=_config(1, "fp32", 1, section))),
+    ):  # fmt: skip
+        start = time.monotonic()
+        try:
+            build()
+        except (ValueError, RuntimeError) as err:
+            out[name] = (type(err).__name__, str(err), time.monotonic() - start)
+        else:
+            raise AssertionError(f"{name}: no error on rank {rank}")
+    # Nothing was left half-done: the group still works, in order.
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    assert float(t) == 3.0
+    return out
+
+
+def test_auto_ranks_per_node_missing_on_one_rank_raises_on_every_rank_at_once():
+    """Before any subgroup is built: rank 1 raises the ValueError naming both variables, rank 0 a RuntimeError
+    naming rank 1 and that error, well within the process group's timeout (60 s here)."""
+    results = run_distributed(_auto_without_local_world_size, 2, timeout=180, pg_timeout=60)
+    for name in ("optimizer", "averager", "deepspeed"):
+        kind, message, seconds = results[1][name]
+        assert kind == "ValueError" and "LOCAL_WORLD_SIZE" in message and "LOCAL_SIZE" in message, message
+        kind, message, seconds0 = results[0][name]
+        assert kind == "RuntimeError" and "Rank 1 failed" in message and "LOCAL_WORLD_SIZE" in message, message
+        assert max(seconds, seconds0) < default_timeout(20), (name, seconds, seconds0)

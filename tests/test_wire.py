@@ -244,6 +244,68 @@ def _scenario_node_aware(rank: int) -> dict:
     return out
 
 
+def _scenario_fp16_wire_overflow(rank: int) -> dict:
+    """A float16 wire whose sums overflow: WireOverflowError on every rank, every tensor unchanged.
+
+    Each rank's values (10000 + 16 rank, exact in float16; bfloat16: 8192 + 512 (rank // 2)) are finite and so
+    is their mean, but a sum over 8 ranks (above 65536) is beyond float16's 65504; a sum over 2 ranks is not. Every path (pipelined,
+    coalesced, node-aware, and a float16 tensor of 6 MB, which is otherwise all-reduced in its own storage)
+    raises before writing anything; with nonfinite="ignore" the infinities are written, as documented.
+    """
+    from hieravg_optim import AveragingConfig
+    from hieravg_optim.averager import HierarchicalAverager
+    from hieravg_optim.averaging import BucketPool, WireOverflowError, average_tensors_
+
+    value = 10000.0 + 16 * rank
+
+    def tensors():
+        return [
+            torch.full((3 << 20,), value, dtype=torch.float16),  # 6 MB: above the in-place thresholds
+            torch.full((5, 7), value, dtype=torch.float16).t(),  # non-contiguous
+            torch.full((11,), value, dtype=torch.float32),  # a float32 master, rounded to float16 on the wire
+            torch.full((4,), 8192.0 + 512 * (rank // 2), dtype=torch.bfloat16),  # the same on both ranks of a pair
+            torch.full((3,), complex(rank, 1), dtype=torch.complex64),  # travels in its own dtype, after
+        ]
+
+    out: dict = {}
+    pair = [rank - rank % 2, rank - rank % 2 + 1]
+    pair_mean = 10000.0 + 16 * sum(pair) / 2
+    config = AveragingConfig.create({1: 2, 2: 8}, comm_dtype="fp16", ranks_per_node=4)
+    averager = HierarchicalAverager(config)
+    assert averager.level_groups[-1].node is not None  # the top level is node-aware: 2 nodes of 4
+    flat = HierarchicalAverager(AveragingConfig.create({1: 2, 2: 8}, comm_dtype="fp16"))
+    for name, run in (
+        ("averager node-aware", lambda ts: averager.average(-1, ts)),
+        ("averager flat", lambda ts: flat.average(-1, ts)),
+        *(
+            (f"average_tensors_ {path}", lambda ts, path=path: average_tensors_(
+                ts, dist.group.WORLD, WORLD, bucket_cap_bytes=1 << 20, pool=BucketPool(), comm_dtype="float16",
+                path=path))
+            for path in ("pipelined", "coalesced")
+        ),
+    ):  # fmt: skip
+        ts = tensors()
+        before = [t.clone() for t in ts]
+        with pytest.raises(WireOverflowError) as info:
+            run(ts)
+        for t, b in zip(ts, before):
+            assert torch.equal(t, b), (name, t.dtype, t.flatten()[:3])
+        out[name] = str(info.value)
+    # The same values at the pair level do not overflow: exact means, through the same buckets.
+    ts = tensors()
+    averager.average(0, ts)
+    for t in ts[:3]:
+        assert torch.equal(t, torch.full(t.shape, pair_mean, dtype=t.dtype)), t.flatten()[:3]
+    assert torch.equal(ts[3], torch.full((4,), 8192.0 + 512 * (rank // 2), dtype=torch.bfloat16))
+    assert torch.equal(ts[4], torch.full((3,), complex(sum(pair) / 2, 1), dtype=torch.complex64))
+    # nonfinite="ignore": no check, the float16 sums overflow into infinities (what the check prevents).
+    ignore = HierarchicalAverager(AveragingConfig.create({1: 2, 2: 8}, comm_dtype="fp16", nonfinite="ignore"))
+    ts = tensors()
+    ignore.average(-1, ts)
+    assert all(bool(torch.isinf(t).all()) for t in ts[:3]), [t.flatten()[:2] for t in ts]
+    return out
+
+
 def _scenario_bad_values(rank: int) -> dict:
     """Bad comm_dtype values and node sizes raise ValueError on every rank, before any collective."""
     from hieravg_optim import HierarchicalAveragingOptimizer
@@ -276,6 +338,7 @@ SCENARIOS = {
     "levels": _scenario_levels,
     "node_aware": _scenario_node_aware,
     "bad_values": _scenario_bad_values,
+    "fp16_wire_overflow": _scenario_fp16_wire_overflow,
 }
 
 
@@ -322,6 +385,18 @@ def test_node_aware_equals_flat(results):
 
 def test_bad_values_raise_on_every_rank(results):
     assert all(len(r["bad_values"]["messages"]) == 5 for r in results)
+
+
+def test_fp16_wire_overflow_raises_on_every_rank_before_writing(results):
+    for r in results:
+        messages = r["fp16_wire_overflow"]
+        assert len(messages) == 4, messages
+        for name, message in messages.items():
+            assert "65504" in message and 'comm_dtype="fp32" or "bf16"' in message, (name, message)
+            assert "No tensor was written" in message, (name, message)
+        averager = messages["averager flat"]
+        assert "step 0 (period 2, group size 8)" in averager and "ranks [0, 1, 2, 3, 4, 5, 6, 7]" in averager, averager
+        assert "tensor 0 (shape (3145728,), dtype float16)" in averager, averager
 
 
 def test_section_keys():
