@@ -26,7 +26,7 @@ from .faults import named_collective
 from .groups import LevelGroup, build_level_groups, process_group_timeout
 from .outer import OuterFactory, OuterLevel, check_outer_optimizers, check_outer_state_device, probe_factory
 from .replica import build_replica_group, replica_any
-from .schedule import AveragingLevel, level_at
+from .schedule import AveragingLevel, level_at, period_of_key
 
 try:  # torch >= 2.5
     from torch.distributed.tensor import DTensor
@@ -670,7 +670,7 @@ class HierarchicalAverager:
             )
         by_period = {}
         for key, value in saved.items():
-            period = int(key) if is_int(key) or (isinstance(key, str) and key.strip().isdigit()) else key
+            period = period_of_key(key) or key
             by_period[period] = value
         parsed = {}
         for outer in self._outer:

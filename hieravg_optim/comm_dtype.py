@@ -16,13 +16,12 @@ Everything here is local (no collective), so a bad value raises on every rank.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Union
 
 import torch
 
-from .schedule import AveragingLevel
+from .schedule import AveragingLevel, entries_by_period
 
 __all__ = ["COMM_DTYPES", "CommDtype", "parse_comm_dtype", "wire_dtype"]
 
@@ -88,25 +87,11 @@ def parse_comm_dtype(value: CommDtype, levels: tuple[AveragingLevel, ...]) -> tu
     """
     if isinstance(value, Mapping):
         periods = [lv.period for lv in levels]
-        by_period: dict[int, str | None] = {}
-        keys: dict[int, object] = {}
-        for key, dtype in value.items():
-            # An int, a numpy integer (as period_group_size accepts), or a string of digits (JSON).
-            period = int(key) if isinstance(key, numbers.Integral) and not isinstance(key, bool) else None
-            if isinstance(key, str) and key.strip().isdigit():
-                period = int(key)
-            if period not in periods:
-                raise ValueError(
-                    f"comm_dtype key {key!r} must be the period of a level (one of {periods}), as in "
-                    f'{{"{periods[-1]}": "bf16"}}.'
-                )
-            if period in keys:
-                raise ValueError(
-                    f"comm_dtype keys {keys[period]!r} and {key!r} both name period {period}: give each period "
-                    "once (the keys of a JSON object are strings, so mix no ints in)."
-                )
-            keys[period] = key
-            by_period[period] = _one(dtype, f" of period {period}")
+        example = f'{{"{periods[-1]}": "bf16"}}'
+        by_period = {
+            period: _one(dtype, f" of period {period}")
+            for period, _, dtype in entries_by_period(value, levels, "comm_dtype", example)
+        }
         names = tuple(by_period.get(p) for p in periods)
     else:
         names = (_one(value, ""),) * len(levels)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .schedule import AveragingLevel
+from .schedule import AveragingLevel, entries_by_period
 
 __all__ = [
     "OuterFactory",
@@ -89,15 +89,6 @@ def nesterov_outer(lr: float = 0.7, momentum: float = 0.9) -> OuterFactory:
     return _NesterovOuter(float(lr), float(momentum))
 
 
-def _period_of(key: object) -> int | None:
-    """The period a key names: an int, a numpy integer, or a string of digits (JSON); else ``None``."""
-    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
-        return int(key)
-    if isinstance(key, str) and key.strip().isdigit():
-        return int(key)
-    return None
-
-
 def check_outer_optimizers(
     value: Mapping[int | str, OuterFactory] | None, levels: Sequence[AveragingLevel]
 ) -> dict[int, OuterFactory]:
@@ -126,18 +117,8 @@ def check_outer_optimizers(
             f"outer_optimizers={{{periods[-1]}: hieravg_optim.nesterov_outer()}}."
         )
     by_period: dict[int, OuterFactory] = {}
-    keys: dict[int, object] = {}
-    for key, factory in value.items():
-        period = _period_of(key)
-        if period not in periods:
-            raise ValueError(
-                f"outer_optimizers key {key!r} must be the period of a level (one of {periods}), as in "
-                f"outer_optimizers={{{periods[-1]}: hieravg_optim.nesterov_outer()}}."
-            )
-        if period in keys:
-            raise ValueError(
-                f"outer_optimizers keys {keys[period]!r} and {key!r} both name period {period}: give each period once."
-            )
+    example = f"outer_optimizers={{{periods[-1]}: hieravg_optim.nesterov_outer()}}"
+    for period, key, factory in entries_by_period(value, levels, "outer_optimizers", example):
         if not callable(factory):
             raise TypeError(
                 f"outer_optimizers[{key!r}] must be a factory, a callable that builds the outer optimizer from the "
@@ -145,7 +126,6 @@ def check_outer_optimizers(
                 f"({type(factory).__name__}): pass e.g. hieravg_optim.nesterov_outer(lr=0.7, momentum=0.9) or "
                 "lambda tensors: torch.optim.SGD(tensors, lr=0.7, momentum=0.9, nesterov=True)."
             )
-        keys[period] = key
         by_period[period] = factory
     return {p: by_period[p] for p in periods if p in by_period}
 

@@ -18,10 +18,12 @@ The rule is the one of PyTorch's
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["AveragingLevel", "Levels", "as_levels", "level_at", "rounds_per_level"]
+__all__ = ["AveragingLevel", "Levels", "as_levels", "entries_by_period", "level_at", "period_of_key", "rounds_per_level"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,55 @@ class AveragingLevel:
 
     group_size: int
     """Number of ranks (of the overall process group) in each averaging group of this level."""
+
+
+def period_of_key(key: object) -> int | None:
+    """The period a key of a per-level mapping names: an int, a numpy integer, or a string of digits
+    (JSON object keys are strings); ``None`` for anything else."""
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+        return int(key)
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    return None
+
+
+def entries_by_period(
+    value: Mapping[Any, Any], levels: Sequence[AveragingLevel], name: str, example: str
+) -> list[tuple[int, Any, Any]]:
+    """The entries of a per-level mapping ``{period: value}`` (``comm_dtype``, ``outer_optimizers``).
+
+    Local, no collective.
+
+    Args:
+        value: The mapping; its keys are read by :func:`period_of_key`.
+        levels: The levels of the config.
+        name: The setting's name, for the messages.
+        example: A valid value, for the messages.
+
+    Returns:
+        ``(period, key, value)`` per entry, in the mapping's order.
+
+    Raises:
+        ValueError: for a key that is not the period of a level, or a period given twice
+            (``{"4": ..., 4: ...}``), naming ``name``, the key and the periods.
+    """
+    periods = [lv.period for lv in levels]
+    keys: dict[int, object] = {}
+    entries = []
+    for key, item in value.items():
+        period = period_of_key(key)
+        if period not in periods:
+            raise ValueError(
+                f"{name} key {key!r} must be the period of a level (one of {periods}), as in {example}."
+            )
+        if period in keys:
+            raise ValueError(
+                f"{name} keys {keys[period]!r} and {key!r} both name period {period}: give each period once (the "
+                "keys of a JSON object are strings, so mix no ints in)."
+            )
+        keys[period] = key
+        entries.append((period, key, item))
+    return entries
 
 
 Levels = Sequence[AveragingLevel] | Mapping[int, int] | Iterable[tuple[int, int]]

@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import run_distributed, run_scenarios
+from tests.test_deepspeed import _full_masters, _full_module, _gather, _max_diff
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -110,44 +111,6 @@ def _step(engine, rank, index):
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
     engine.backward((engine(x.to(dtype)).float() - y).pow(2).mean())
     engine.step()
-
-
-def _full_module(engine):
-    """Full module parameters as fp32 CPU copies (gathered under ZeRO-3). Collective in the replica."""
-    params = list(engine.module.parameters())
-    if engine.zero_optimization_stage() == 3:
-        with deepspeed.zero.GatheredParameters(params):
-            return [p.detach().float().cpu().clone() for p in params]
-    return [p.detach().float().cpu().clone() for p in params]
-
-
-def _full_masters(engine):
-    """Full fp32 master weights per module parameter (DeepSpeed's own accessors). Collective in the replica."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    from hieravg_optim.deepspeed.engine import _optimizer_kind
-
-    kind = _optimizer_kind(engine.optimizer)
-    params = list(engine.module.parameters())
-    if kind == "plain":
-        return [p.detach().cpu().clone() for p in params]
-    if kind == "fp16_unfused":
-        opt = engine.optimizer
-        hp = {id(lp): h for lg, hg in zip(opt.fp16_groups, opt.fp32_groups) for lp, h in zip(lg, hg)}
-        return [hp[id(p)].detach().cpu().clone() for p in params]
-    return [safe_get_full_fp32_param(p).detach().float().cpu().clone() for p in params]
-
-
-def _gather(obj):
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _max_diff(xs, ys):
-    return max(float((x - y).abs().max()) for x, y in zip(xs, ys))
 
 
 def _record_rounds(engine, state):
@@ -255,7 +218,6 @@ def _single_replica_level_case(rank, stage, prec):
     from the anchor to this replica's own weights, with no peer to average with; the round at count 0
     and 4 (top level, plain) resets that anchor. The module must get the new masters after every round.
     """
-    import torch
 
     section = {"period_group_size": {"1": S, "4": WORLD}, "ranks_per_replica": S, "synchronous_warmup": False,
                "outer_optimizer": {"1": {"type": "SGD", "params": {"lr": 0.5}}}}  # fmt: skip

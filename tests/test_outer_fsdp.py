@@ -19,7 +19,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.harness import run_distributed, run_scenarios
 from tests.test_fsdp import _flat, _full_params, _gather, _shard, _train_step

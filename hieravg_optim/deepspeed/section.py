@@ -22,9 +22,9 @@ from ..config import (
     AveragingConfig,
     check_collective_timeout_s,
     check_nonfinite,
-    is_int,
     warn_at_caller,
 )
+from ..schedule import period_of_key
 
 __all__ = [
     "SECTION",
@@ -294,7 +294,7 @@ def _parse_outer_optimizer(value: Any, keys: dict[int, Any]) -> dict[int, dict[s
     out: dict[int, dict[str, Any]] = {}
     for key, spec in value.items():
         where = f'DeepSpeed config section "{SECTION}": key "outer_optimizer", period {key!r}'
-        period = int(key) if is_int(key) else int(key) if isinstance(key, str) and key.strip().isdigit() else None
+        period = period_of_key(key)
         if period is None or period <= 0:
             raise ValueError(
                 f"{where}: the key must be a period of \"period_group_size\" (a positive integer, a string in "
