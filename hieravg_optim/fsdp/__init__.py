@@ -43,7 +43,9 @@ What is averaged, in place (never rebinding ``.data``):
 Checkpoints (:func:`save_checkpoint`, :func:`load_checkpoint`) use
 ``torch.distributed.checkpoint`` with ``get_state_dict`` / ``set_state_dict``. Replicas
 differ between averagings, and DCP deduplicates identical keys across ranks, so each
-replica is saved to its own folder ``replica_<r>`` over its ``"shard"`` process group.
+replica is saved to its own folder ``replica_<r>`` over its ``"shard"`` process group. The
+anchors of outer optimizers (``outer_optimizers``), which are sharded like the local shards they
+anchor, are saved as DTensors with those shards' layouts, so that DCP keeps every rank's shard.
 
 The modules: :mod:`~hieravg_optim.fsdp.mesh` (the mesh and :func:`shard_replica`),
 :mod:`~hieravg_optim.fsdp.optimizer` (the optimizer and the module checks) and

@@ -4,10 +4,18 @@ Replicas differ between averagings, and DCP deduplicates identical keys across r
 each replica is saved to its own folder ``replica_<r>`` over its ``"shard"`` process group.
 Model and optimizer go through ``get_state_dict`` / ``set_state_dict``; the averaging state
 (step count, levels) is saved beside them.
+
+The outer optimizers' anchors, and each outer-state tensor shaped like its anchor (SGD's
+momentum buffer, Adam's moments), are local shards that differ across the ranks of a replica.
+As plain tensors under one key DCP would keep one rank's copy, so they are saved as DTensors
+with the layout of the shards they anchor (:meth:`FSDPHierarchicalAveragingOptimizer.shard_layouts`),
+under ``outer.dtensors``. The rest of each rank's outer state (hyperparameters, step counts, any
+tensor of another shape) is saved as one object per shard index, ``outer.shard_<k>``.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -15,13 +23,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, LoadPlan
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._flat_param import FlatParameter
 
 from ..agreement import agree_across_ranks
 from .mesh import SHARD_DIM
-from .optimizer import FSDPHierarchicalAveragingOptimizer, optimizer_params
+from .optimizer import FSDPHierarchicalAveragingOptimizer, ShardLayout, optimizer_params
 
 try:  # torch >= 2.5
     from torch.distributed.tensor import DTensor, Shard
@@ -39,11 +49,18 @@ def _optimizer_holds_flat_params(optimizer: FSDPHierarchicalAveragingOptimizer) 
     return any(isinstance(p, FlatParameter) for p in optimizer_params(optimizer.optimizer))
 
 
-def _checkpoint_state(module: nn.Module, optimizer: FSDPHierarchicalAveragingOptimizer) -> dict[str, Any]:
-    """What one rank saves: model and optimizer state (DCP state dicts) and the averaging state."""
+def _checkpoint_state(
+    module: nn.Module, optimizer: FSDPHierarchicalAveragingOptimizer, *, outer: bool = True
+) -> dict[str, Any]:
+    """What one rank saves: model and optimizer state (DCP state dicts), the averaging state and, with
+    ``outer``, the outer optimizers' anchors and state."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    state: dict[str, Any] = {"hierarchical_averaging": optimizer.averager.state_dict()}
+    averaging = optimizer.averager.state_dict()
+    outer_state = averaging.pop(_OUTER, None)
+    state: dict[str, Any] = {"hierarchical_averaging": averaging}
+    if outer and outer_state:
+        state[_OUTER] = _outer_to_checkpoint(outer_state, optimizer)
     # Before the first step the inner optimizer has no state; torch's helpers would fill it with a zero-lr step
     # that leaves Adam's "step" at 1. This makes the same state without a step (and the next real step drops it).
     optimizer.initialize_state()
@@ -103,6 +120,16 @@ def save_checkpoint(
     saved as DTensors over the shard dimension, see the limitations in the README); the averaging state is
     :meth:`HierarchicalAverager.state_dict` (the step count and levels).
 
+    Outer optimizers (``outer_optimizers``): each level's anchors, and every outer-state tensor shaped
+    like its anchor (momentum buffers, Adam's moments), are saved as DTensors with the layout of the
+    local shards they anchor (:meth:`FSDPHierarchicalAveragingOptimizer.shard_layouts`: FSDP2, the
+    parameter's device mesh and placements; FSDP1, ``Shard(0)`` over the ``"shard"`` mesh), under
+    ``outer.dtensors``: the ranks of a replica hold different shards, and plain tensors under one key
+    would be deduplicated by DCP to one rank's copy. The rest of a rank's outer state (the outer
+    optimizer's ``param_groups``, step counts, tensors of other shapes) is one object under
+    ``outer.shard_<k>``, ``k`` being the rank's shard index. Anchors on another device than the mesh's
+    (``outer_state_device="cpu"``) are saved from there, without a copy.
+
     .. warning:: Collective over the default process group: every rank must call this.
 
     Args:
@@ -123,11 +150,16 @@ def load_checkpoint(
     """Load what :func:`save_checkpoint` wrote, in place, with the same mesh shape and FSDP wrapping.
 
     The next :meth:`~FSDPHierarchicalAveragingOptimizer.step` checks that every rank resumed at the same count.
+    The outer optimizers' anchors and state are restored as the checkpoint holds them (read from its
+    metadata), also into an optimizer that has not taken its anchors yet; a checkpoint without them
+    leaves the outer optimizers to :meth:`HierarchicalAverager.load_state_dict`.
 
     .. warning:: Collective over the default process group: every rank must call this.
 
     Raises:
         FileNotFoundError: if ``path/replica_<r>`` does not exist (e.g. fewer replicas were saved).
+        ValueError: on the failing ranks, if the checkpoint's outer state was saved with another number of
+            shards per replica, or for other tensors (another model, or other parameters trainable).
         RuntimeError: on the other ranks, naming the rank that failed to load (instead of waiting for it).
     """
     error: BaseException | None = None
@@ -154,7 +186,26 @@ def _load_replica(
             f"No checkpoint for replica {optimizer.replica_index} at {folder}: resume with the mesh shape "
             "(replicas, shards) that saved it."
         )
-    state = _checkpoint_state(module, optimizer)
+    state = _checkpoint_state(module, optimizer, outer=False)
+    shard_group = optimizer.mesh[SHARD_DIM].get_group()
+    metadata = FileSystemReader(folder).read_metadata()
+    outer_template = None
+    if any(key.startswith(f"{_OUTER}.") for key in metadata.state_dict_metadata):  # the same on the whole replica
+        error: ValueError | None = None
+        try:
+            outer_template = _outer_load_template(metadata, optimizer, folder)
+        except ValueError as exc:
+            error = exc
+        # Before DCP's collectives: a rank whose shard index or shapes do not match raises its error, the other
+        # ranks of its replica a RuntimeError naming it, instead of waiting for it in load().
+        agree_across_ranks(
+            "the outer optimizer state of the checkpoint",
+            None,
+            shard_group,
+            error=error,
+            fix="Resume with the mesh shape, model and trainable parameters that saved the checkpoint.",
+        )
+        state[_OUTER] = outer_template
     # A rank whose local shard of a parameter is empty (FSDP1 with uneven shards) has no entry for it while the
     # checkpoint has one; DefaultLoadPlanner then guesses "a checkpoint older than torch 2.4" and flattens
     # differently, silently skipping entries. _ExactLoadPlanner loads exactly this rank's entries, and still
@@ -163,11 +214,147 @@ def _load_replica(
         state,
         checkpoint_id=folder,
         planner=_ExactLoadPlanner(),
-        process_group=optimizer.mesh[SHARD_DIM].get_group(),
+        process_group=shard_group,
     )
     if "optim" in state:
         set_state_dict(module, optimizer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         set_model_state_dict(module, state["model"])
         _load_flat_optimizer_state(optimizer, state["optim_flat"])
-    optimizer.averager.load_state_dict(state["hierarchical_averaging"])
+    averaging = dict(state["hierarchical_averaging"])
+    if outer_template is not None:
+        averaging[_OUTER] = _outer_from_checkpoint(state[_OUTER], optimizer)
+    optimizer.averager.load_state_dict(averaging)
+
+
+# -- outer optimizers: anchors and state ------------------------------------------------------------------------------
+_OUTER = "outer"
+_DTENSORS = "dtensors"
+
+
+def _shard_key(optimizer: FSDPHierarchicalAveragingOptimizer) -> str:
+    return f"shard_{optimizer.mesh.get_local_rank(SHARD_DIM)}"
+
+
+def _as_dtensor(local: torch.Tensor, layout: ShardLayout) -> DTensor:
+    """``local`` as the shard of a DTensor with ``layout``, sharing its storage (no copy, no collective)."""
+    mesh = layout.mesh
+    if local.device.type != mesh.device_type:
+        # Anchors kept on another device (outer_state_device="cpu" with an accelerator mesh): DTensor.from_local
+        # would copy them onto the mesh's device. A mesh of the same ranks on their own device type, without
+        # process groups (DCP only reads its coordinates), keeps them where they are.
+        mesh = DeviceMesh(local.device.type, mesh.mesh, mesh_dim_names=mesh.mesh_dim_names, _init_backend=False)
+    with torch.no_grad():
+        return DTensor.from_local(
+            local.detach(), mesh, layout.placements, run_check=False, shape=layout.shape, stride=layout.stride
+        )
+
+
+def _outer_to_checkpoint(outer: Mapping[int, Mapping[str, Any]], optimizer: FSDPHierarchicalAveragingOptimizer) -> dict:
+    """The averager's ``state_dict()["outer"]`` as DCP saves it without losing any rank's shard.
+
+    ``{"dtensors": {"<period>/anchor/<i>": DTensor, "<period>/state/<i>/<name>": DTensor}, "shard_<k>": bytes}``:
+    anchors, and outer-state tensors shaped like their anchor, as DTensors with the anchored tensors' layouts;
+    everything else (the outer optimizer's ``param_groups``, step counts, tensors of other shapes) in one
+    ``torch.save`` blob under this rank's shard index ``k``, written by this rank only.
+    """
+    layouts = optimizer.shard_layouts()
+    dtensors: dict[str, DTensor] = {}
+    rest: dict[int, dict[str, Any]] = {}
+    for period, level in outer.items():
+        anchors = list(level["anchors"])
+        if len(anchors) != len(layouts):
+            raise RuntimeError(
+                f"The outer optimizer of period {period} holds {len(anchors)} anchors, but this rank averages "
+                f"{len(layouts)} local shards: the averaged parameters changed (requires_grad?) since the anchors "
+                "were taken. Keep the same parameters trainable through a run."
+            )
+        for i, (anchor, layout) in enumerate(zip(anchors, layouts)):
+            dtensors[f"{period}/anchor/{i}"] = _as_dtensor(anchor, layout)
+        saved = level["optimizer"]
+        kept_state: dict[Any, dict[str, Any]] = {}
+        for index, entries in saved.get("state", {}).items():
+            kept: dict[str, Any] = {}
+            for name, value in entries.items():
+                if _shaped_like_anchor(value, index, anchors):
+                    dtensors[f"{period}/state/{index}/{name}"] = _as_dtensor(value, layouts[index])
+                else:
+                    kept[name] = value
+            kept_state[index] = kept
+        rest[period] = {
+            **{k: v for k, v in level.items() if k not in ("anchors", "optimizer")},
+            "optimizer": {**{k: v for k, v in saved.items() if k != "state"}, "state": kept_state},
+            "anchors": len(anchors),
+        }
+    blob = io.BytesIO()
+    torch.save(rest, blob)
+    return {_DTENSORS: dtensors, _shard_key(optimizer): blob.getvalue()}
+
+
+def _shaped_like_anchor(value: object, index: object, anchors: list[torch.Tensor]) -> bool:
+    return (
+        isinstance(index, int)
+        and 0 <= index < len(anchors)
+        and torch.is_tensor(value)
+        and value.dim() > 0
+        and value.shape == anchors[index].shape
+    )
+
+
+def _outer_load_template(
+    metadata: Metadata, optimizer: FSDPHierarchicalAveragingOptimizer, folder: str
+) -> dict[str, Any]:
+    """What this rank loads of the checkpoint's outer state, read from its metadata (which has some).
+
+    Raises:
+        ValueError: if the checkpoint has outer state but none for this rank's shard index (saved with
+            another number of shards per replica).
+    """
+    prefix = f"{_OUTER}.{_DTENSORS}."
+    keys = metadata.state_dict_metadata
+    shard_keys = sorted(k[len(_OUTER) + 1 :] for k in keys if k.startswith(f"{_OUTER}.shard_"))
+    mine = _shard_key(optimizer)
+    if mine not in shard_keys:
+        raise ValueError(
+            f"The checkpoint at {folder} holds outer optimizer state for shard indexes {shard_keys}, but this rank "
+            f"holds {mine}: resume with the number of shards per replica that saved it."
+        )
+    layouts = optimizer.shard_layouts()
+    local = optimizer.tensors_to_average()
+    dtensors: dict[str, DTensor] = {}
+    for fqn, md in keys.items():
+        if not fqn.startswith(prefix):
+            continue
+        key = fqn[len(prefix) :]
+        index = int(key.split("/")[2])
+        if not isinstance(md, TensorStorageMetadata) or index >= len(layouts) or tuple(md.size) != tuple(
+            layouts[index].shape
+        ):
+            raise ValueError(
+                f"The checkpoint at {folder} holds the outer optimizer entry {key!r} of shape "
+                f"{tuple(getattr(md, 'size', ()))}, but this rank averages {len(layouts)} tensors"
+                + (f", tensor {index} of full shape {tuple(layouts[index].shape)}" if index < len(layouts) else "")
+                + ": load the checkpoint of the same model and sharding, with the same parameters trainable."
+            )
+        # Loaded where the anchors live (outer_state_device="cpu": on the CPU, no copy on the accelerator).
+        device = optimizer.averager.outer_state_device or local[index].device
+        template = torch.zeros(local[index].shape, dtype=md.properties.dtype, device=device)
+        dtensors[key] = _as_dtensor(template, layouts[index])
+    return {_DTENSORS: dtensors, mine: b""}
+
+
+def _outer_from_checkpoint(loaded: Mapping[str, Any], optimizer: FSDPHierarchicalAveragingOptimizer) -> dict:
+    """The averager's ``state_dict()["outer"]`` back from what :func:`_outer_to_checkpoint` saved."""
+    rest = torch.load(io.BytesIO(loaded[_shard_key(optimizer)]), weights_only=False)
+    dtensors = loaded[_DTENSORS]
+    outer: dict[int, dict[str, Any]] = {}
+    for period, level in rest.items():
+        count = level.pop("anchors")
+        level["anchors"] = [dtensors[f"{period}/anchor/{i}"].to_local() for i in range(count)]
+        state = level["optimizer"]["state"]
+        for key, value in dtensors.items():
+            p, kind, *name = key.split("/")
+            if p == str(period) and kind == "state":
+                state.setdefault(int(name[0]), {})[name[1]] = value.to_local()
+        outer[period] = level
+    return outer

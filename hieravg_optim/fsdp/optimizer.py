@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from ..agreement import raise_on_every_rank
 from ..averager import local_tensor
+from ..checks import unique_params
 from ..comm_dtype import CommDtype
 from ..optimizer import HierarchicalAveragingOptimizer
 from ..outer import OuterFactory
@@ -26,11 +28,13 @@ from ..schedule import AveragingLevel
 from .mesh import HSDP_FIX, REPLICATE_DIM, SHARD_DIM, check_fsdp1_strategy, check_replicate_shard_mesh
 
 try:  # torch >= 2.5
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import Placement
 except ImportError:  # pragma: no cover - torch 2.4
-    from torch.distributed._tensor import DTensor, Replicate  # type: ignore[no-redef]
+    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
+    from torch.distributed._tensor.placement_types import Placement  # type: ignore[no-redef]
 
-__all__ = ["FSDPHierarchicalAveragingOptimizer", "optimizer_params"]
+__all__ = ["FSDPHierarchicalAveragingOptimizer", "ShardLayout", "optimizer_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +46,19 @@ def _fsdp1_units(module: nn.Module) -> list[FSDP]:
 
 def _row_ranks(mesh: DeviceMesh) -> list[int]:
     return [int(r) for r in mesh[SHARD_DIM].mesh.flatten().tolist()]
+
+
+class ShardLayout(NamedTuple):
+    """Where one averaged local shard sits in its full tensor: what ``DTensor.from_local`` needs."""
+
+    mesh: DeviceMesh
+    """The replica's ``"shard"`` mesh (FSDP2: the parameter's own device mesh)."""
+    placements: tuple[Placement, ...]
+    """FSDP1: ``(Shard(0),)`` over the flat shards; FSDP2: the parameter's placements."""
+    shape: torch.Size
+    """The full tensor's shape (FSDP1: the padded flat parameter, local numel times ``S``)."""
+    stride: tuple[int, ...]
+    """The full tensor's stride."""
 
 
 class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
@@ -228,6 +245,26 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             _local_flat_shard(flat)
             for flat in self._flat_params
             if self.average_frozen or self._trainable(flat)
+        ]
+
+    def shard_layouts(self) -> list[ShardLayout]:
+        """The layout of each tensor of :meth:`tensors_to_average` in its full tensor, in the same order.
+
+        Anchors of outer optimizers are sharded like these tensors; :func:`~hieravg_optim.fsdp.save_checkpoint`
+        stores them as DTensors with these layouts, so that every rank's shard is kept. Local, no collective.
+        """
+        if self._fsdp_version == 1:
+            shard_mesh = self.mesh[SHARD_DIM]
+            shards = shard_mesh.size()
+            # FSDP1 pads the flat parameter so that every rank's local shard has the same numel.
+            return [
+                ShardLayout(shard_mesh, (Shard(0),), torch.Size([t.numel() * shards]), (1,))
+                for t in self.tensors_to_average()
+            ]
+        return [
+            ShardLayout(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride()))
+            for _, _, p in unique_params(self.optimizer.param_groups)
+            if self.average_frozen or p.requires_grad
         ]
 
 
