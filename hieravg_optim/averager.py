@@ -105,10 +105,14 @@ def check_outer(
     config: AveragingConfig,
     outer_optimizers: Mapping[int | str, OuterFactory] | None,
     outer_state_device: str | torch.device | None,
-) -> tuple[dict[int, OuterFactory], torch.device | None]:
+) -> tuple[dict[int, OuterFactory], torch.device | None, dict[int, object]]:
     """Validate ``outer_optimizers`` and ``outer_state_device`` against ``config``; local, no collective.
 
     Each factory is probed on one small tensor (see :func:`hieravg_optim.outer.probe_factory`).
+
+    Returns:
+        ``(factories, device, kinds)``: ``{period: factory}``, the device or ``None``, and per period the
+        outer optimizer's class and hyperparameters, which the ranks agree on at construction.
 
     Raises:
         TypeError, ValueError: see :func:`hieravg_optim.outer.check_outer_optimizers` and
@@ -116,9 +120,8 @@ def check_outer(
     """
     factories = check_outer_optimizers(outer_optimizers, config.levels)
     device = check_outer_state_device(outer_state_device)
-    for period, factory in factories.items():
-        probe_factory(period, factory)
-    return factories, device
+    kinds = {period: probe_factory(period, factory) for period, factory in factories.items()}
+    return factories, device, kinds
 
 
 class HierarchicalAverager:
@@ -163,7 +166,8 @@ class HierarchicalAverager:
             returns something other than a ``torch.optim.Optimizer`` (probed on one small tensor), or an
             ``outer_state_device`` that is not a string or a ``torch.device``; on every rank, before any collective.
         RuntimeError: if the ranks were given different configs (or different periods with an outer optimizer,
-            or different ``outer_state_device``), or another rank's config failed these checks (that rank
+            outer optimizers of different classes or hyperparameters (``defaults``), or different
+            ``outer_state_device``), or another rank's config failed these checks (that rank
             raises the ValueError; the others a RuntimeError naming it, never a hang).
     """
 
@@ -194,21 +198,24 @@ class HierarchicalAverager:
         self.world_size = dist.get_world_size(self.process_group)
         if agreed:
             check_log_metrics_every(log_metrics_every)
-            factories, device = check_outer(config, outer_optimizers, outer_state_device)
+            factories, device, _ = check_outer(config, outer_optimizers, outer_state_device)
         else:
             # Local checks; a failure on some ranks only is raised on every rank by the agreement below.
             error: BaseException | None = None
-            factories, device = {}, None
+            factories, device, kinds = {}, None, {}
             try:
                 check_log_metrics_every(log_metrics_every)
                 config.check_world_size(self.world_size)
-                factories, device = check_outer(config, outer_optimizers, outer_state_device)
+                factories, device, kinds = check_outer(config, outer_optimizers, outer_state_device)
             except (TypeError, ValueError) as exc:
                 error = exc
             agreed_value = {
                 **asdict(config),
                 "periods with an outer optimizer": sorted(factories),
                 "outer_state_device": None if device is None else str(device),
+                # The class and hyperparameters of each level's outer optimizer: replicas stepping with
+                # different outer optimizers would drift apart silently.
+                "outer optimizers (class, defaults)": kinds,
             }
             agree_across_ranks("the averaging config", agreed_value, self.process_group, error=error)
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
@@ -417,7 +424,12 @@ class HierarchicalAverager:
                 tensors,
                 lg.group,
                 lg.ranks,
-                context={"step count": self.step, "bucket_cap_mb": self.config.bucket_cap_mb, **(context or {})},
+                context={
+                    "step count": self.step,
+                    "bucket_cap_mb": self.config.bucket_cap_mb,
+                    **self._outer_context(level_index),
+                    **(context or {}),
+                },
                 what=f"the parameters to average at step {self.step} (period {lg.level.period}, group size "
                 f"{lg.level.group_size})",
                 error=error,
@@ -444,6 +456,20 @@ class HierarchicalAverager:
         metrics.payload_bytes += payload
         metrics.bytes_sent += bytes_sent(payload, lg)
         metrics.seconds += time.perf_counter() - start
+
+    def _outer_context(self, level_index: int) -> dict[str, object]:
+        """What the ranks of a round at a level with an outer optimizer agree on besides the tensors.
+
+        Whether its anchors are taken, and whether they are known to be equal across the group (else this
+        round averages them first, one more all-reduce): a rank that took anchors the others did not
+        (``take_anchors`` on some ranks, a checkpoint loaded on some ranks) is then a ``RuntimeError`` on every
+        rank of the group, not a collective that only some ranks enter.
+        """
+        outer = self._outer[level_index]
+        if outer is None:
+            return {}
+        anchors = "not taken" if outer.anchors is None else "equal across the group" if outer.synced else "taken"
+        return {f"the anchors of the outer optimizer (period {outer.period})": anchors}
 
     def _outer_error(self, outer: OuterLevel, tensors: Sequence[torch.Tensor]) -> BaseException | None:
         """The local error of a round at a level with an outer optimizer, raised on every rank by its agreement."""
