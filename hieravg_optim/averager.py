@@ -272,6 +272,28 @@ class HierarchicalAverager:
         """The periods of the levels with an outer optimizer, in level order."""
         return tuple(o.period for o in self._outer if o is not None)
 
+    def outer_optimizer(self, period: int) -> torch.optim.Optimizer | None:
+        """The outer optimizer of the level of period ``period`` in use now; local, no collective.
+
+        The factory is called more than once (on a one-element probe tensor at construction, on meta tensors
+        to dry-run a loaded state, at each :meth:`take_anchors`), so keep no optimizer it returns: read the one
+        in use here, e.g. to change its learning rate (``param_groups``) or attach a scheduler after the
+        anchors are taken. Loading a state dict keeps the same object.
+
+        Returns:
+            The outer optimizer, or ``None`` before the level's anchors are taken.
+
+        Raises:
+            ValueError: if ``period`` is not a period with an outer optimizer (naming those that have one).
+        """
+        for outer in self._outer:
+            if outer is not None and outer.period == period:
+                return outer.optimizer
+        raise ValueError(
+            f"outer_optimizer({period!r}): no level of period {period!r} has an outer optimizer; those with one: "
+            f"{list(self.outer_periods)}."
+        )
+
     def take_anchors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Anchor every level with an outer optimizer at ``tensors``: fp32 copies, and fresh outer optimizers.
 

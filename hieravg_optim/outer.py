@@ -439,13 +439,11 @@ class OuterLevel:
 
     @torch.no_grad()
     def load(self, anchors: list[torch.Tensor], optimizer_state: Mapping[str, Any], synced: bool) -> None:
-        """Restore :meth:`check_state`'s output: into the current anchors if any, else new fp32 anchors."""
-        if self.anchors is not None:
+        """Restore :meth:`check_state`'s output: into the current anchors and outer optimizer if any (the same
+        objects, so references to them stay valid), else into new fp32 anchors and a new outer optimizer."""
+        if self.anchors is not None and self.optimizer is not None:
             for mine, saved in zip(self.anchors, anchors):
                 mine.copy_(saved)
-            self.optimizer = _check_factory_result(
-                self.factory(self.anchors), self.period, self.factory, self.anchors
-            )
         else:
             self.take(anchors)
         self.optimizer.load_state_dict(optimizer_state)

@@ -143,8 +143,17 @@ def _scenario_load_halfway(rank: int) -> dict:
     state[0]["momentum_buffer"] = torch.zeros(5)
     out["buffer shape"] = _outcome(lambda: other.load_state_dict(shape))
     out["buffer shape unchanged"] = unchanged()
-    # The untouched state dict still loads, and the run continues as the saved one did.
+    # The untouched state dict still loads, into the same outer optimizer objects, and the run continues as
+    # the saved one did.
+    in_use = {p: other.averager.outer_optimizer(p) for p in (2, 4)}
     other.load_state_dict(saved)
+    out["same objects"] = all(other.averager.outer_optimizer(p) is in_use[p] for p in (2, 4))
+    loaded = other.averager.outer_optimizer(4).state_dict()["state"]
+    out["momentum loaded"] = all(
+        torch.equal(loaded[k]["momentum_buffer"], s["momentum_buffer"])
+        for k, s in saved[STATE_KEY]["outer"][4]["optimizer"]["state"].items()
+    )
+    out["no such period"] = _outcome(lambda: other.averager.outer_optimizer(3))
     with torch.no_grad():
         for p, q in zip(other_params, params):
             p.copy_(q)
@@ -263,7 +272,7 @@ def test_anchors_taken_on_some_ranks_only_raise_on_every_rank(results):
         assert "timed out" not in message and "Timeout" not in message, (rank, message)
 
 
-def test_rejected_outer_state_changes_nothing(results):
+def test_rejected_outer_state_changes_nothing_and_a_load_keeps_the_outer_optimizers(results):
     for rank, res in enumerate(results):
         load = res["load"]
         for name in ("split groups", "other class", "buffer shape"):
@@ -271,6 +280,11 @@ def test_rejected_outer_state_changes_nothing(results):
             assert kind == "ValueError" and "period 4" in message, (rank, name, message)
             assert load[f"{name} unchanged"], (rank, name)
         assert load["resumed equal"], rank
+        assert load["same objects"] and load["momentum loaded"], rank
+        assert load["no such period"] == (
+            "ValueError",
+            "outer_optimizer(3): no level of period 3 has an outer optimizer; those with one: [2, 4].",
+        )
 
 
 def test_outer_bytes_is_what_is_held_and_no_pseudo_gradient_stays(results):
