@@ -509,7 +509,10 @@ class HierarchicalAverager:
         return RuntimeError(
             f"The tensors averaged at step {self.step} (period {outer.period}) differ from the level's anchors: "
             f"{why}. The outer optimizer needs the same tensors at every round: keep the set of averaged (and "
-            "frozen) parameters fixed, or call take_anchors(tensors) again after changing it."
+            "frozen) parameters fixed, or, after changing it (add_param_group, a parameter frozen or unfrozen), take "
+            "the anchors again on every rank (the outer optimizer restarts without momentum): "
+            "opt.averager.take_anchors(opt.tensors_to_average()) on the optimizer wrapper, or "
+            "HierarchicalAverager.take_anchors(tensors)."
         )
 
     def _sync_anchors(

@@ -226,7 +226,8 @@ def probe_factory(period: int, factory: OuterFactory) -> tuple[str, dict[str, ob
 
     Run at construction, so that a factory returning something else, or an optimizer over other tensors
     (the model's parameters, copies, an optimizer built once for every level), is a ``TypeError`` on every
-    rank before any collective, not at the end of the warm-up. A factory that raises on this probe (e.g. it
+    rank before any collective, not at the end of the warm-up; a non-finite hyperparameter, or
+    ``maximize=True``, a ``ValueError``. A factory that raises on this probe (e.g. it
     expects a given number of tensors) is left to :meth:`OuterLevel.take`.
 
     Returns:
@@ -239,8 +240,32 @@ def probe_factory(period: int, factory: OuterFactory) -> tuple[str, dict[str, ob
     except Exception:  # noqa: BLE001 - the real tensors decide, at take()
         return None
     optimizer = _check_factory_result(result, period, factory, probe)
+    _check_hyperparameters(optimizer, period, factory)
     cls = type(optimizer)
     return f"{cls.__module__}.{cls.__qualname__}", {k: _simple(v) for k, v in sorted(optimizer.defaults.items())}
+
+
+def _check_hyperparameters(optimizer: torch.optim.Optimizer, period: int, factory: OuterFactory) -> None:
+    """Raise ``ValueError`` for a non-finite hyperparameter, or ``maximize=True`` (steps away from the mean)."""
+    for key, value in optimizer.defaults.items():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        for v in values:
+            if torch.is_tensor(v):
+                finite = bool(torch.isfinite(v).all())
+            else:
+                finite = not isinstance(v, float) or math.isfinite(v)
+            if not finite:
+                raise ValueError(
+                    f"outer_optimizers[{period}] ({factory!r}) builds {type(optimizer).__name__} with {key}={value!r}: "
+                    "every hyperparameter of an outer optimizer must be finite (a NaN or infinite one makes every "
+                    "anchor non-finite at the first round); DiLoCo uses lr=0.7, momentum=0.9."
+                )
+    if optimizer.defaults.get("maximize") is True:
+        raise ValueError(
+            f"outer_optimizers[{period}] ({factory!r}) builds {type(optimizer).__name__} with maximize=True: the "
+            "pseudo-gradient is anchor - mean (torchft's sign), so maximizing would step the anchors away from the "
+            "mean at every round. Leave maximize=False."
+        )
 
 
 def _meta_state(value: object) -> object:

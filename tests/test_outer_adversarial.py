@@ -70,6 +70,9 @@ def _scenario_factories(rank: int) -> dict:
             _model(rank), outer_optimizers={4: lambda ts: torch.optim.SGD([t.clone() for t in ts], lr=1)}
         ),
         "one optimizer for two levels": lambda: _wrap(_model(rank), outer_optimizers={2: cached, 4: cached}),
+        "lr nan": lambda: _wrap(_model(rank), outer_optimizers={4: lambda ts: torch.optim.SGD(ts, lr=float("nan"))}),
+        "eps inf": lambda: _wrap(_model(rank), outer_optimizers={2: lambda ts: torch.optim.Adam(ts, eps=float("inf"))}),
+        "maximize": lambda: _wrap(_model(rank), outer_optimizers={4: lambda ts: torch.optim.SGD(ts, maximize=True)}),
         # Each value valid, but the ranks' outer optimizers differ: the replicas would drift apart silently.
         "lr per rank": lambda: _wrap(_model(rank), outer_optimizers={4: nesterov_outer(lr=0.5 if rank == 3 else 0.7)}),
         "class per rank": lambda: _wrap(
@@ -211,6 +214,19 @@ def _scenario_held(rank: int) -> dict:
     opt.add_param_group({"params": [extra]})
     extra.grad = torch.zeros(2)
     out["add_param_group"] = _outcome(lambda: _train(params, opt, rank, 0, 3))
+    # The fix the message names: anchors taken again on every rank; the rounds then run, replicas equal.
+    opt.averager.take_anchors(opt.tensors_to_average())
+    retaken = []
+    for count in (2, 3, 4, 5):
+        _train(params, opt, rank, count, count + 1)
+        extra.grad = torch.zeros(2)
+        if count % 2 == 0:
+            mine = torch.cat([t.reshape(-1) for t in opt.tensors_to_average()])
+            group = [torch.zeros_like(mine) for _ in range(WORLD)]
+            torch.distributed.all_gather(group, mine)
+            pair = (rank // 2) * 2
+            retaken.append(torch.equal(group[pair], group[pair + 1]))
+    out["add_param_group retaken"] = retaken
     # Non-finite parameters on ranks 1 and 3 when an outer level is due, nonfinite="raise": every rank of the group
     # raises before averaging, and the anchors and outer momentum are those of the last good round.
     params = _model(rank)
@@ -256,6 +272,17 @@ def test_factory_must_build_over_exactly_the_given_tensors(results):
             assert kind == "TypeError" and re.search(pattern, message), (rank, name, message)
         kind, message = res["factories"]["one optimizer for two levels"]
         assert kind == "TypeError" and "outer_optimizers[4]" in message, (rank, message)
+
+
+def test_non_finite_or_maximizing_outer_hyperparameters_raise_on_every_rank(results):
+    for rank, res in enumerate(results):
+        for name, pattern in {
+            "lr nan": r"outer_optimizers\[4\] .* builds SGD with lr=nan: every hyperparameter .* must be finite",
+            "eps inf": r"outer_optimizers\[2\] .* builds Adam with eps=inf",
+            "maximize": r"outer_optimizers\[4\] .* builds SGD with maximize=True: .* Leave maximize=False",
+        }.items():
+            kind, message = res["factories"][name]
+            assert kind == "ValueError" and re.search(pattern, message), (rank, name, message)
 
 
 def test_outer_optimizers_differing_across_ranks_raise_on_every_rank(results):
@@ -307,6 +334,8 @@ def test_misuse_already_raising_on_every_rank(results):
         held = res["held"]
         kind, message = held["add_param_group"]
         assert kind == "RuntimeError" and "differ from the level's anchors" in message, (rank, message)
+        assert "opt.averager.take_anchors(opt.tensors_to_average())" in message, (rank, message)
+        assert held["add_param_group retaken"] == [True] * 2, (rank, held)
         kind, message = held["nan raise"]
         assert kind == "RuntimeError" and "Non-finite" in message, (rank, message)
         assert held["nan raise kept"], rank
