@@ -294,10 +294,10 @@ class HierarchicalAverager:
             f"{list(self.outer_periods)}."
         )
 
-    def take_anchors(self, tensors: Sequence[torch.Tensor]) -> None:
+    def take_anchors(self, tensors: Sequence[torch.Tensor], *, agree: bool = False) -> None:
         """Anchor every level with an outer optimizer at ``tensors``: fp32 copies, and fresh outer optimizers.
 
-        Local, no collective. Each anchor is an fp32 copy of the tensor (this rank's local shard), on
+        Local, no collective (unless ``agree``). Each anchor is an fp32 copy of the tensor (this rank's local shard), on
         ``outer_state_device`` or else the tensor's device; each level's outer optimizer is rebuilt with
         ``factory(anchors)`` (its state starts empty). The anchors need not be equal across ranks: a
         level's first round after this averages its anchors over its group first (one extra all-reduce of
@@ -309,14 +309,39 @@ class HierarchicalAverager:
 
         Args:
             tensors: This rank's tensors, the same list, in the same order, as :meth:`average` will get.
+            agree: Also agree with every rank of the process group that each took its anchors (one
+                all-gather of two int64 per rank), so that a failure on some ranks only (a factory that
+                raises there, no memory left for the anchors) is raised on every rank, not a hang at the
+                next round. Every rank of the process group must then call it at the same point; the
+                wrappers and adapters do, at construction and at the end of the warm-up.
 
         Raises:
-            TypeError: if a factory returns something other than a ``torch.optim.Optimizer``.
+            TypeError: if a factory returns something other than a ``torch.optim.Optimizer`` over exactly the
+                anchors it is given.
+            Exception: whatever a factory or the anchors' allocation raises; with ``agree``, on the ranks
+                where it happened, and a ``RuntimeError`` naming them on the others.
         """
-        tensors = [local_tensor(t) for t in tensors]
-        for outer in self._outer:
-            if outer is not None:
-                outer.take(tensors)
+        error: BaseException | None = None
+        try:
+            tensors = [local_tensor(t) for t in tensors]
+            for outer in self._outer:
+                if outer is not None:
+                    outer.take(tensors)
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank with agree
+            for outer in self._outer:
+                if outer is not None:
+                    outer.drop()  # no level keeps anchors another level failed to take
+            error = exc
+        if agree:
+            agree_across_ranks(
+                "taking the anchors of the outer optimizers",
+                None,
+                self.process_group,
+                error=error,
+                fix="Every rank must build its outer optimizers over its anchors without error.",
+            )
+        if error is not None:
+            raise error
         for m in self._metrics:
             m.pseudo_grad_norm = None
 
@@ -359,7 +384,7 @@ class HierarchicalAverager:
             extra = None if context is None else context()
             self.average(index, tensors(), error=error, context=extra)
         if self.has_outer and self.step == self.config.warmup_steps - 1:
-            self.take_anchors(tensors())  # the end of the warm-up
+            self.take_anchors(tensors(), agree=True)  # the end of the warm-up
         self.step += 1
         if self.log_metrics_every and self.step % self.log_metrics_every == 0:
             logger.info("hierarchical averaging at step %d: %s", self.step, self.metrics())

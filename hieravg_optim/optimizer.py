@@ -285,7 +285,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         )
         self._sync_replicas_at_construction()
         if self.averager.needs_anchors:  # warmup_steps == 0: the anchors are the starting point
-            self.averager.take_anchors(self.tensors_to_average())
+            self.averager.take_anchors(self.tensors_to_average(), agree=True)
 
     def _sync_replicas_at_construction(self) -> None:
         """Make the replicas equal at construction, before the anchors are taken. Nothing here: plain

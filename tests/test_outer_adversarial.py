@@ -97,6 +97,22 @@ def _scenario_anchors_on_some_ranks(rank: int) -> dict:
     return {"outcome": _outcome(lambda: _train(params, opt, rank, 4, 6))}
 
 
+def _scenario_take_fails_on_one_rank(rank: int) -> dict:
+    """Taking the anchors fails on rank 2 only (as when its accelerator has no memory left for them)."""
+
+    def factory(tensors):
+        if rank == 2 and len(tensors) > 1:  # passes the one-tensor probe at construction
+            raise RuntimeError("out of memory allocating the outer state")
+        return torch.optim.SGD(tensors, lr=0.7, momentum=0.9, nesterov=True)
+
+    out = {"at construction": _outcome(lambda: _wrap(_model(rank), outer_optimizers={4: factory}))}
+    params = _model(rank)
+    opt = _wrap(params, warmup_steps=2, outer_optimizers={4: factory})
+    out["after the warm-up"] = _outcome(lambda: _train(params, opt, rank, 0, 2))
+    out["anchors"] = opt.averager.has_anchors
+    return out
+
+
 def _scenario_load_halfway(rank: int) -> dict:
     """A state dict whose outer state the outer optimizer rejects: an error, and nothing changed."""
     from hieravg_optim import nesterov_outer
@@ -251,6 +267,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
         {
             "factories": _scenario_factories,
             "some ranks": _scenario_anchors_on_some_ranks,
+            "take fails": _scenario_take_fails_on_one_rank,
             "load": _scenario_load_halfway,
             "memory": _scenario_memory,
             "held": _scenario_held,
@@ -297,6 +314,21 @@ def test_anchors_taken_on_some_ranks_only_raise_on_every_rank(results):
         kind, message = res["some ranks"]["outcome"]
         assert kind == "RuntimeError" and "anchors" in message, (rank, message)
         assert "timed out" not in message and "Timeout" not in message, (rank, message)
+
+
+def test_anchors_failing_on_one_rank_raise_on_every_rank(results):
+    for rank, res in enumerate(results):
+        for when in ("at construction", "after the warm-up"):
+            kind, message = res["take fails"][when]
+            if rank == 2:
+                assert (kind, message) == ("RuntimeError", "out of memory allocating the outer state"), (when, message)
+            else:
+                assert kind == "RuntimeError" and re.search(
+                    r"Rank 2 failed while checking taking the anchors of the outer optimizers: RuntimeError: out of "
+                    r"memory allocating the outer state",
+                    message,
+                ), (rank, when, message)
+        assert res["take fails"]["anchors"] is (rank != 2), rank
 
 
 def test_rejected_outer_state_changes_nothing_and_a_load_keeps_the_outer_optimizers(results):
