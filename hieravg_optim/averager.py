@@ -701,18 +701,28 @@ class HierarchicalAverager:
             state["outer"] = outer
         return state
 
-    def check_outer_state(self, state: Mapping[str, Any]) -> dict[int, tuple] | None:
+    def check_outer_state(
+        self, state: Mapping[str, Any], tensors: Sequence[torch.Tensor] | None = None
+    ) -> dict[int, tuple] | None:
         """Validate the ``"outer"`` entry of an averaging state; changes nothing. Local, no collective.
 
+        Args:
+            state: The averaging state dict.
+            tensors: This rank's tensors to average (as :meth:`average` gets them), if known: anchors saved
+                for other numbers or shapes are then rejected even before this rank has anchors of its own
+                (during a warm-up), and anchors loaded then are put with these tensors (or on
+                ``outer_state_device``), not wherever the checkpoint was mapped.
+
         Returns:
-            What :meth:`load_outer_state` restores: ``{period: (anchors, optimizer state, synced)}``, or
-            ``None`` when this averager has no outer optimizer.
+            What :meth:`load_outer_state` restores: ``{period: (anchors, optimizer state, synced, tensors)}``,
+            or ``None`` when this averager has no outer optimizer.
 
         Warns (``UserWarning``) for saved periods that have no outer optimizer here: they are not loaded.
 
         Raises:
-            ValueError: naming the period and the mismatch, for a malformed entry, or anchors whose number or
-                shapes differ from this rank's anchors (when it holds some).
+            ValueError: naming the period and the mismatch, for a malformed entry, anchors whose number or
+                shapes differ from this rank's anchors (or ``tensors``), or an outer optimizer state the level's
+                outer optimizer rejects (a dry run on meta tensors, see ``docs/outer.md``).
         """
         saved = state.get("outer") if isinstance(state, Mapping) else None
         if not self.has_outer:
@@ -734,10 +744,11 @@ class HierarchicalAverager:
         for key, value in saved.items():
             period = int(key) if is_int(key) or (isinstance(key, str) and key.strip().isdigit()) else key
             by_period[period] = value
+        local = None if tensors is None else [local_tensor(t) for t in tensors]
         parsed = {}
         for outer in self._outer:
             if outer is not None and outer.period in by_period:
-                parsed[outer.period] = outer.check_state(by_period[outer.period])
+                parsed[outer.period] = (*outer.check_state(by_period[outer.period], local), local)
         ignored = [p for p in by_period if p not in parsed]
         if ignored:
             warn_at_caller(
@@ -772,11 +783,11 @@ class HierarchicalAverager:
                 "same outer_optimizers to resume exactly."
             )
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], tensors: Sequence[torch.Tensor] | None = None) -> None:
         """Restore :meth:`state_dict`'s output. The count is checked across ranks at the next step.
 
         With outer optimizers, the anchors and outer optimizer state of ``"outer"`` are restored too
-        (see :meth:`check_outer_state`, :meth:`load_outer_state`).
+        (see :meth:`check_outer_state`, :meth:`load_outer_state`; ``tensors`` as there).
 
         Raises:
             ValueError: if ``state`` has no ``"step"``, or it is not a non-negative integer (a float,
@@ -787,7 +798,7 @@ class HierarchicalAverager:
         ``synchronous_warmup`` differ from this averager's: the run continues with the new ones; when the
         checkpoint has no anchors for a level with an outer optimizer past the warm-up (fresh anchors).
         """
-        outer = self.check_outer_state(state)
+        outer = self.check_outer_state(state, tensors)
         self.load_step_state(state)
         self.load_outer_state(outer)
 

@@ -521,7 +521,11 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         # The averaging state is checked first, and restored if the inner optimizer rejects its part:
         # a rejected state dict changes neither the inner optimizer nor the count; the anchors and outer
         # optimizer state are checked first and loaded last.
-        outer = self.averager.check_outer_state(averaging_state)
+        # Checked against this rank's tensors (unless tensors_to_average looks up masters the inner optimizer
+        # may not have created yet), so that anchors of another model fail here even during a warm-up.
+        outer = self.averager.check_outer_state(
+            averaging_state, self.tensors_to_average() if self._tensors_fn is None else None
+        )
         previous = (self.averager.step, self.averager._verify_step_pending)
         self.averager.load_step_state(averaging_state)
         if averaging_step is not None and averaging_step != self.averager.step:

@@ -396,7 +396,9 @@ class OuterLevel:
         assert self.anchors is not None and self.optimizer is not None
         return {"anchors": list(self.anchors), "optimizer": self.optimizer.state_dict(), "synced": self.synced}
 
-    def check_state(self, state: object) -> tuple[list[torch.Tensor], Mapping[str, Any], bool]:
+    def check_state(
+        self, state: object, tensors: Sequence[torch.Tensor] | None = None
+    ) -> tuple[list[torch.Tensor], Mapping[str, Any], bool]:
         """Validate one level's saved state; return ``(anchors, optimizer state dict, synced)``. Changes nothing.
 
         Raises:
@@ -426,13 +428,14 @@ class OuterLevel:
                     f"{where}: its outer optimizer state covers {held} tensors but it holds {len(anchors)} anchors: "
                     "save and load the state dict HierarchicalAverager.state_dict() returns, unchanged."
                 )
-        if self.anchors is not None:
-            if len(anchors) != len(self.anchors):
+        reference = self.anchors if self.anchors is not None else tensors
+        if reference is not None:
+            if len(anchors) != len(reference):
                 raise ValueError(
-                    f"{where} holds {len(anchors)} anchors, but this rank averages {len(self.anchors)} tensors: load "
+                    f"{where} holds {len(anchors)} anchors, but this rank averages {len(reference)} tensors: load "
                     "the checkpoint of the same model, with the same parameters averaged (and frozen)."
                 )
-            for i, (saved, mine) in enumerate(zip(anchors, self.anchors)):
+            for i, (saved, mine) in enumerate(zip(anchors, reference)):
                 if saved.shape != mine.shape:
                     raise ValueError(
                         f"{where}: anchor {i} has shape {tuple(saved.shape)}, but this rank's tensor {i} has shape "
@@ -463,14 +466,22 @@ class OuterLevel:
             ) from exc
 
     @torch.no_grad()
-    def load(self, anchors: list[torch.Tensor], optimizer_state: Mapping[str, Any], synced: bool) -> None:
+    def load(
+        self,
+        anchors: list[torch.Tensor],
+        optimizer_state: Mapping[str, Any],
+        synced: bool,
+        tensors: Sequence[torch.Tensor] | None = None,
+    ) -> None:
         """Restore :meth:`check_state`'s output: into the current anchors and outer optimizer if any (the same
         objects, so references to them stay valid), else into new fp32 anchors and a new outer optimizer."""
-        if self.anchors is not None and self.optimizer is not None:
-            for mine, saved in zip(self.anchors, anchors):
-                mine.copy_(saved)
-        else:
-            self.take(anchors)
+        if self.anchors is None or self.optimizer is None:
+            # New anchors where take() puts them (outer_state_device, else with ``tensors``), not wherever the
+            # checkpoint was mapped (map_location="cpu" would keep them in host memory for the rest of the run).
+            self.take(tensors if tensors is not None else anchors)
+        assert self.anchors is not None and self.optimizer is not None
+        for mine, saved in zip(self.anchors, anchors):
+            mine.copy_(saved)
         self.optimizer.load_state_dict(optimizer_state)
         self.synced = synced
 

@@ -162,6 +162,12 @@ def _scenario_load_halfway(rank: int) -> dict:
     state[0]["momentum_buffer"] = torch.zeros(5)
     out["buffer shape"] = _outcome(lambda: other.load_state_dict(shape))
     out["buffer shape unchanged"] = unchanged()
+    # Anchors of another model, loaded during a warm-up (before this rank has anchors of its own): rejected
+    # at the load, against the parameters, not at the first round after the warm-up.
+    warm_params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4))]
+    warm = _wrap(warm_params, warmup_steps=8, outer_optimizers={2: nesterov_outer(), 4: nesterov_outer()})
+    out["warm-up other model"] = _outcome(lambda: warm.load_state_dict(saved))
+    out["warm-up other model unchanged"] = warm.averaging_step == 0 and not warm.averager.has_anchors
     # The untouched state dict still loads, into the same outer optimizer objects, and the run continues as
     # the saved one did.
     in_use = {p: other.averager.outer_optimizer(p) for p in (2, 4)}
@@ -340,6 +346,12 @@ def test_rejected_outer_state_changes_nothing_and_a_load_keeps_the_outer_optimiz
             assert load[f"{name} unchanged"], (rank, name)
         assert load["resumed equal"], rank
         assert load["same objects"] and load["momentum loaded"], rank
+        assert load["warm-up other model"] == (
+            "ValueError",
+            "The outer state of period 2 in the averaging state dict: anchor 1 has shape (2, 2), but this rank's "
+            "tensor 1 has shape (4,): load the checkpoint of the same model and sharding.",
+        ), (rank, load["warm-up other model"])
+        assert load["warm-up other model unchanged"], rank
         assert load["no such period"] == (
             "ValueError",
             "outer_optimizer(3): no level of period 3 has an outer optimizer; those with one: [2, 4].",
