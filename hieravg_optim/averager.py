@@ -160,11 +160,13 @@ class HierarchicalAverager:
 
     Raises:
         ValueError: from :meth:`AveragingConfig.check_world_size`, for a ``log_metrics_every``
-            that is not a positive integer, an ``outer_optimizers`` key that is not a period, or a bad
+            that is not a positive integer, an ``outer_optimizers`` key that is not a period, an outer
+            optimizer with a non-finite hyperparameter or ``maximize=True``, or a bad
             ``outer_state_device``; on every rank, before any collective.
         TypeError: for an ``outer_optimizers`` that is not a mapping, a factory that is not callable or
-            returns something other than a ``torch.optim.Optimizer`` (probed on one small tensor), or an
-            ``outer_state_device`` that is not a string or a ``torch.device``; on every rank, before any collective.
+            returns something other than a ``torch.optim.Optimizer`` over exactly the tensors it is given
+            (probed on one small tensor), or an ``outer_state_device`` that is not a string or a
+            ``torch.device``; on every rank, before any collective.
         RuntimeError: if the ranks were given different configs (or different periods with an outer optimizer,
             outer optimizers of different classes or hyperparameters (``defaults``), or different
             ``outer_state_device``), or another rank's config failed these checks (that rank

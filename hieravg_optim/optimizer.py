@@ -168,15 +168,18 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
 
     Raises:
         ValueError: for an invalid setting, naming it, before any averaging collective (an
-            ``outer_optimizers`` key that is not a period, an unknown ``outer_state_device``); at the
+            ``outer_optimizers`` key that is not a period, an outer optimizer with a non-finite
+            hyperparameter or ``maximize=True``, an unknown ``outer_state_device``); at the
             first averaging round, on every rank, for an fp32 master copy of a float16 / bfloat16
             parameter in the optimizer state without ``tensors_to_average``.
         TypeError: if ``optimizer`` has no ``param_groups`` or ``step``, or is already wrapped; if
             ``tensors_to_average`` is not callable; for a DTensor parameter split over ranks of this
             rank's averaging subgroup; for an ``outer_optimizers`` that is not a mapping of callables, or
-            a factory that returns something other than a ``torch.optim.Optimizer``; for an
+            a factory that returns something other than a ``torch.optim.Optimizer`` over exactly the
+            tensors it is given; for an
             ``outer_state_device`` that is not a string or ``torch.device``.
-        RuntimeError: if the ranks were given different settings, or another rank's settings were
+        RuntimeError: if the ranks were given different settings (outer optimizers of other classes or
+            hyperparameters included), or another rank's settings were
             invalid (that rank raises the ValueError or TypeError; the others, in the constructor's
             one agreement collective, a RuntimeError naming it, instead of waiting for it); at an
             averaging round, on every rank of the subgroup, if ``param_groups`` holds tensors this
