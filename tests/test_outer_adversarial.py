@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from hieravg_optim.schedule import AveragingLevel
 from tests.harness import default_timeout, run_distributed, run_scenarios
 
 WORLD = 4
@@ -266,6 +267,48 @@ def _scenario_held(rank: int) -> dict:
     return out
 
 
+def _scenario_everything_at_once(rank: int) -> dict:
+    """Synchronous warm-up, bf16 on the wire, outer state in host memory, AdamW with weight decay at the lower
+    level and Nesterov at the top, and rank 3 non-finite before a top-level round (``skip_replica``): after
+    every round the replicas of its group hold the same parameters, anchors and outer optimizer state."""
+    from hieravg_optim import nesterov_outer
+
+    params = _model(rank)
+    opt = _wrap(
+        params,
+        warmup_steps=3,
+        synchronous_warmup=True,
+        comm_dtype="bfloat16",
+        nonfinite="skip_replica",
+        outer_state_device="cpu",
+        outer_optimizers={2: lambda ts: torch.optim.AdamW(ts, lr=0.05, weight_decay=0.1), 4: nesterov_outer()},
+    )
+    rows = []
+    for count in range(10):
+        _train(params, opt, rank, count, count + 1)
+        if rank == 3 and count == 3:
+            with torch.no_grad():
+                params[1][0, 0] = float("inf")  # averaged away at the top-level round of count 4
+        state = opt.averager.state_dict().get("outer", {})
+        # Equal over everyone after a top-level round: the parameters, every anchor, the top level's outer
+        # state. The lower level's outer state (AdamW moments) is kept through it and stays per group.
+        flat = [torch.cat([p.detach().reshape(-1) for p in params])]
+        lower = []
+        for period in sorted(state):
+            flat.append(torch.cat([a.reshape(-1) for a in state[period]["anchors"]]))
+            for s in state[period]["optimizer"]["state"].values():
+                (flat if period == 4 else lower).extend(v.reshape(-1).float() for v in s.values() if torch.is_tensor(v))
+        shared = torch.cat(flat)
+        mine = torch.cat([shared, *lower])
+        everyone = [torch.zeros_like(mine) for _ in range(WORLD)]
+        torch.distributed.all_gather(everyone, mine)
+        n = shared.numel()
+        rows.append([torch.equal(everyone[r], everyone[r ^ 1]) for r in range(WORLD)] + [
+            all(torch.equal(everyone[r][:n], everyone[0][:n]) for r in range(WORLD)), bool(torch.isfinite(mine).all())
+        ])
+    return {"rows": rows}
+
+
 def _scenarios(rank: int, world_size: int) -> dict:
     assert world_size == WORLD
     warnings.simplefilter("ignore")
@@ -277,6 +320,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
             "load": _scenario_load_halfway,
             "memory": _scenario_memory,
             "held": _scenario_held,
+            "everything": _scenario_everything_at_once,
         },
         rank,
     )
@@ -383,3 +427,21 @@ def test_misuse_already_raising_on_every_rank(results):
         kind, message = held["nan raise"]
         assert kind == "RuntimeError" and "Non-finite" in message, (rank, message)
         assert held["nan raise kept"], rank
+
+
+def test_replicas_stay_identical_with_every_option_at_once(results):
+    from hieravg_optim.schedule import level_at
+
+    for rank, res in enumerate(results):
+        assert res["everything"]["rows"][3][-1] is (rank != 3), rank  # rank 3 went non-finite at count 3
+        for count, row in enumerate(res["everything"]["rows"]):
+            *pairs, everyone, finite = row
+            if count < 3:  # synchronous warm-up: every count averages over everyone
+                expected = "all"
+            else:
+                level = level_at(count, tuple(AveragingLevel(p, g) for p, g in LEVELS.items()), 3)
+                expected = {None: None, 0: "pairs", 1: "all"}[level]
+            if expected == "all":
+                assert everyone and finite, (rank, count, row)
+            if expected in ("all", "pairs"):
+                assert all(pairs), (rank, count, row)
