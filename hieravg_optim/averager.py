@@ -105,10 +105,14 @@ def check_outer(
     config: AveragingConfig,
     outer_optimizers: Mapping[int | str, OuterFactory] | None,
     outer_state_device: str | torch.device | None,
-) -> tuple[dict[int, OuterFactory], torch.device | None]:
+) -> tuple[dict[int, OuterFactory], torch.device | None, dict[int, object]]:
     """Validate ``outer_optimizers`` and ``outer_state_device`` against ``config``; local, no collective.
 
     Each factory is probed on one small tensor (see :func:`hieravg_optim.outer.probe_factory`).
+
+    Returns:
+        ``(factories, device, kinds)``: ``{period: factory}``, the device or ``None``, and per period the
+        outer optimizer's class and hyperparameters, which the ranks agree on at construction.
 
     Raises:
         TypeError, ValueError: see :func:`hieravg_optim.outer.check_outer_optimizers` and
@@ -116,9 +120,8 @@ def check_outer(
     """
     factories = check_outer_optimizers(outer_optimizers, config.levels)
     device = check_outer_state_device(outer_state_device)
-    for period, factory in factories.items():
-        probe_factory(period, factory)
-    return factories, device
+    kinds = {period: probe_factory(period, factory) for period, factory in factories.items()}
+    return factories, device, kinds
 
 
 class HierarchicalAverager:
@@ -157,13 +160,16 @@ class HierarchicalAverager:
 
     Raises:
         ValueError: from :meth:`AveragingConfig.check_world_size`, for a ``log_metrics_every``
-            that is not a positive integer, an ``outer_optimizers`` key that is not a period, or a bad
+            that is not a positive integer, an ``outer_optimizers`` key that is not a period, an outer
+            optimizer with a non-finite hyperparameter or ``maximize=True``, or a bad
             ``outer_state_device``; on every rank, before any collective.
         TypeError: for an ``outer_optimizers`` that is not a mapping, a factory that is not callable or
-            returns something other than a ``torch.optim.Optimizer`` (probed on one small tensor), or an
-            ``outer_state_device`` that is not a string or a ``torch.device``; on every rank, before any collective.
+            returns something other than a ``torch.optim.Optimizer`` over exactly the tensors it is given
+            (probed on one small tensor), or an ``outer_state_device`` that is not a string or a
+            ``torch.device``; on every rank, before any collective.
         RuntimeError: if the ranks were given different configs (or different periods with an outer optimizer,
-            or different ``outer_state_device``), or another rank's config failed these checks (that rank
+            outer optimizers of different classes or hyperparameters (``defaults``), or different
+            ``outer_state_device``), or another rank's config failed these checks (that rank
             raises the ValueError; the others a RuntimeError naming it, never a hang).
     """
 
@@ -194,21 +200,24 @@ class HierarchicalAverager:
         self.world_size = dist.get_world_size(self.process_group)
         if agreed:
             check_log_metrics_every(log_metrics_every)
-            factories, device = check_outer(config, outer_optimizers, outer_state_device)
+            factories, device, _ = check_outer(config, outer_optimizers, outer_state_device)
         else:
             # Local checks; a failure on some ranks only is raised on every rank by the agreement below.
             error: BaseException | None = None
-            factories, device = {}, None
+            factories, device, kinds = {}, None, {}
             try:
                 check_log_metrics_every(log_metrics_every)
                 config.check_world_size(self.world_size)
-                factories, device = check_outer(config, outer_optimizers, outer_state_device)
+                factories, device, kinds = check_outer(config, outer_optimizers, outer_state_device)
             except (TypeError, ValueError) as exc:
                 error = exc
             agreed_value = {
                 **asdict(config),
                 "periods with an outer optimizer": sorted(factories),
                 "outer_state_device": None if device is None else str(device),
+                # The class and hyperparameters of each level's outer optimizer: replicas stepping with
+                # different outer optimizers would drift apart silently.
+                "outer optimizers (class, defaults)": kinds,
             }
             agree_across_ranks("the averaging config", agreed_value, self.process_group, error=error)
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
@@ -235,8 +244,8 @@ class HierarchicalAverager:
         ]
         self.outer_skip_last: int = 0
         """How many tensors at the end of every list given to :meth:`take_anchors` and :meth:`average` are
-        averaged plainly at levels with an outer optimizer: no anchor, no outer step. The DeepSpeed adapter
-        sets it to its number of module buffers, whose running statistics (BatchNorm's ``running_var``) an
+        averaged plainly at levels with an outer optimizer: no anchor, no outer step. The optimizer wrapper
+        (its ``buffers``) and the DeepSpeed adapter (``average_buffers``) set it to their number of buffers, whose running statistics (BatchNorm's ``running_var``) an
         outer step with momentum could push out of range (a negative variance)."""
 
     @property
@@ -270,10 +279,32 @@ class HierarchicalAverager:
         """The periods of the levels with an outer optimizer, in level order."""
         return tuple(o.period for o in self._outer if o is not None)
 
-    def take_anchors(self, tensors: Sequence[torch.Tensor]) -> None:
+    def outer_optimizer(self, period: int) -> torch.optim.Optimizer | None:
+        """The outer optimizer of the level of period ``period`` in use now; local, no collective.
+
+        The factory is called more than once (on a one-element probe tensor at construction, on meta tensors
+        to dry-run a loaded state, at each :meth:`take_anchors`), so keep no optimizer it returns: read the one
+        in use here, e.g. to change its learning rate (``param_groups``) or attach a scheduler after the
+        anchors are taken. Loading a state dict keeps the same object.
+
+        Returns:
+            The outer optimizer, or ``None`` before the level's anchors are taken.
+
+        Raises:
+            ValueError: if ``period`` is not a period with an outer optimizer (naming those that have one).
+        """
+        for outer in self._outer:
+            if outer is not None and outer.period == period:
+                return outer.optimizer
+        raise ValueError(
+            f"outer_optimizer({period!r}): no level of period {period!r} has an outer optimizer; those with one: "
+            f"{list(self.outer_periods)}."
+        )
+
+    def take_anchors(self, tensors: Sequence[torch.Tensor], *, agree: bool = False) -> None:
         """Anchor every level with an outer optimizer at ``tensors``: fp32 copies, and fresh outer optimizers.
 
-        Local, no collective. Each anchor is an fp32 copy of the tensor (this rank's local shard), on
+        Local, no collective (unless ``agree``). Each anchor is an fp32 copy of the tensor (this rank's local shard), on
         ``outer_state_device`` or else the tensor's device; each level's outer optimizer is rebuilt with
         ``factory(anchors)`` (its state starts empty). The anchors need not be equal across ranks: a
         level's first round after this averages its anchors over its group first (one extra all-reduce of
@@ -285,14 +316,39 @@ class HierarchicalAverager:
 
         Args:
             tensors: This rank's tensors, the same list, in the same order, as :meth:`average` will get.
+            agree: Also agree with every rank of the process group that each took its anchors (one
+                all-gather of two int64 per rank), so that a failure on some ranks only (a factory that
+                raises there, no memory left for the anchors) is raised on every rank, not a hang at the
+                next round. Every rank of the process group must then call it at the same point; the
+                wrappers and adapters do, at construction and at the end of the warm-up.
 
         Raises:
-            TypeError: if a factory returns something other than a ``torch.optim.Optimizer``.
+            TypeError: if a factory returns something other than a ``torch.optim.Optimizer`` over exactly the
+                anchors it is given.
+            Exception: whatever a factory or the anchors' allocation raises; with ``agree``, on the ranks
+                where it happened, and a ``RuntimeError`` naming them on the others.
         """
-        tensors = self._outer_part(tensors)
-        for outer in self._outer:
-            if outer is not None:
-                outer.take(tensors)
+        error: BaseException | None = None
+        try:
+            tensors = self._outer_part(tensors)
+            for outer in self._outer:
+                if outer is not None:
+                    outer.take(tensors)
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank with agree
+            for outer in self._outer:
+                if outer is not None:
+                    outer.drop()  # no level keeps anchors another level failed to take
+            error = exc
+        if agree:
+            agree_across_ranks(
+                "taking the anchors of the outer optimizers",
+                None,
+                self.process_group,
+                error=error,
+                fix="Every rank must build its outer optimizers over its anchors without error.",
+            )
+        if error is not None:
+            raise error
         for m in self._metrics:
             m.pseudo_grad_norm = None
 
@@ -335,7 +391,7 @@ class HierarchicalAverager:
             extra = None if context is None else context()
             self.average(index, tensors(), error=error, context=extra)
         if self.has_outer and self.step == self.config.warmup_steps - 1:
-            self.take_anchors(tensors())  # the end of the warm-up
+            self.take_anchors(tensors(), agree=True)  # the end of the warm-up
         self.step += 1
         if self.log_metrics_every and self.step % self.log_metrics_every == 0:
             logger.info("hierarchical averaging at step %d: %s", self.step, self.metrics())
@@ -425,7 +481,12 @@ class HierarchicalAverager:
                 tensors,
                 lg.group,
                 lg.ranks,
-                context={"step count": self.step, "bucket_cap_mb": self.config.bucket_cap_mb, **(context or {})},
+                context={
+                    "step count": self.step,
+                    "bucket_cap_mb": self.config.bucket_cap_mb,
+                    **self._outer_context(level_index),
+                    **(context or {}),
+                },
                 what=f"the parameters to average at step {self.step} (period {lg.level.period}, group size "
                 f"{lg.level.group_size})",
                 error=error,
@@ -459,6 +520,20 @@ class HierarchicalAverager:
         """The local tensors of ``tensors`` that levels with an outer optimizer anchor (all but :attr:`outer_skip_last`)."""
         return [local_tensor(t) for t in tensors[: len(tensors) - self.outer_skip_last]]
 
+    def _outer_context(self, level_index: int) -> dict[str, object]:
+        """What the ranks of a round at a level with an outer optimizer agree on besides the tensors.
+
+        Whether its anchors are taken, and whether they are known to be equal across the group (else this
+        round averages them first, one more all-reduce): a rank that took anchors the others did not
+        (``take_anchors`` on some ranks, a checkpoint loaded on some ranks) is then a ``RuntimeError`` on every
+        rank of the group, not a collective that only some ranks enter.
+        """
+        outer = self._outer[level_index]
+        if outer is None:
+            return {}
+        anchors = "not taken" if outer.anchors is None else "equal across the group" if outer.synced else "taken"
+        return {f"the anchors of the outer optimizer (period {outer.period})": anchors}
+
     def _outer_error(self, outer: OuterLevel, tensors: Sequence[torch.Tensor]) -> BaseException | None:
         """The local error of a round at a level with an outer optimizer, raised on every rank by its agreement."""
         if outer.anchors is None:
@@ -475,7 +550,10 @@ class HierarchicalAverager:
         return RuntimeError(
             f"The tensors averaged at step {self.step} (period {outer.period}) differ from the level's anchors: "
             f"{why}. The outer optimizer needs the same tensors at every round: keep the set of averaged (and "
-            "frozen) parameters fixed, or call take_anchors(tensors) again after changing it."
+            "frozen) parameters fixed, or, after changing it (add_param_group, a parameter frozen or unfrozen), take "
+            "the anchors again on every rank (the outer optimizer restarts without momentum): "
+            "opt.averager.take_anchors(opt.tensors_to_average()) on the optimizer wrapper, or "
+            "HierarchicalAverager.take_anchors(tensors)."
         )
 
     def _sync_anchors(
@@ -639,18 +717,28 @@ class HierarchicalAverager:
             state["outer"] = outer
         return state
 
-    def check_outer_state(self, state: Mapping[str, Any]) -> dict[int, tuple] | None:
+    def check_outer_state(
+        self, state: Mapping[str, Any], tensors: Sequence[torch.Tensor] | None = None
+    ) -> dict[int, tuple] | None:
         """Validate the ``"outer"`` entry of an averaging state; changes nothing. Local, no collective.
 
+        Args:
+            state: The averaging state dict.
+            tensors: This rank's tensors to average (as :meth:`average` gets them), if known: anchors saved
+                for other numbers or shapes are then rejected even before this rank has anchors of its own
+                (during a warm-up), and anchors loaded then are put with these tensors (or on
+                ``outer_state_device``), not wherever the checkpoint was mapped.
+
         Returns:
-            What :meth:`load_outer_state` restores: ``{period: (anchors, optimizer state, synced)}``, or
-            ``None`` when this averager has no outer optimizer.
+            What :meth:`load_outer_state` restores: ``{period: (anchors, optimizer state, synced, tensors)}``,
+            or ``None`` when this averager has no outer optimizer.
 
         Warns (``UserWarning``) for saved periods that have no outer optimizer here: they are not loaded.
 
         Raises:
-            ValueError: naming the period and the mismatch, for a malformed entry, or anchors whose number or
-                shapes differ from this rank's anchors (when it holds some).
+            ValueError: naming the period and the mismatch, for a malformed entry, anchors whose number or
+                shapes differ from this rank's anchors (or ``tensors``), or an outer optimizer state the level's
+                outer optimizer rejects (a dry run on meta tensors, see ``docs/outer.md``).
         """
         saved = state.get("outer") if isinstance(state, Mapping) else None
         if not self.has_outer:
@@ -672,10 +760,11 @@ class HierarchicalAverager:
         for key, value in saved.items():
             period = period_of_key(key) or key
             by_period[period] = value
+        local = None if tensors is None else self._outer_part(tensors)
         parsed = {}
         for outer in self._outer:
             if outer is not None and outer.period in by_period:
-                parsed[outer.period] = outer.check_state(by_period[outer.period])
+                parsed[outer.period] = (*outer.check_state(by_period[outer.period], local), local)
         ignored = [p for p in by_period if p not in parsed]
         if ignored:
             warn_at_caller(
@@ -710,11 +799,11 @@ class HierarchicalAverager:
                 "same outer_optimizers to resume exactly."
             )
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], tensors: Sequence[torch.Tensor] | None = None) -> None:
         """Restore :meth:`state_dict`'s output. The count is checked across ranks at the next step.
 
         With outer optimizers, the anchors and outer optimizer state of ``"outer"`` are restored too
-        (see :meth:`check_outer_state`, :meth:`load_outer_state`).
+        (see :meth:`check_outer_state`, :meth:`load_outer_state`; ``tensors`` as there).
 
         Raises:
             ValueError: if ``state`` has no ``"step"``, or it is not a non-negative integer (a float,
@@ -725,7 +814,7 @@ class HierarchicalAverager:
         ``synchronous_warmup`` differ from this averager's: the run continues with the new ones; when the
         checkpoint has no anchors for a level with an outer optimizer past the warm-up (fresh anchors).
         """
-        outer = self.check_outer_state(state)
+        outer = self.check_outer_state(state, tensors)
         self.load_step_state(state)
         self.load_outer_state(outer)
 

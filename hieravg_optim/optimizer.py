@@ -168,15 +168,18 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
 
     Raises:
         ValueError: for an invalid setting, naming it, before any averaging collective (an
-            ``outer_optimizers`` key that is not a period, an unknown ``outer_state_device``); at the
+            ``outer_optimizers`` key that is not a period, an outer optimizer with a non-finite
+            hyperparameter or ``maximize=True``, an unknown ``outer_state_device``); at the
             first averaging round, on every rank, for an fp32 master copy of a float16 / bfloat16
             parameter in the optimizer state without ``tensors_to_average``.
         TypeError: if ``optimizer`` has no ``param_groups`` or ``step``, or is already wrapped; if
             ``tensors_to_average`` is not callable; for a DTensor parameter split over ranks of this
             rank's averaging subgroup; for an ``outer_optimizers`` that is not a mapping of callables, or
-            a factory that returns something other than a ``torch.optim.Optimizer``; for an
+            a factory that returns something other than a ``torch.optim.Optimizer`` over exactly the
+            tensors it is given; for an
             ``outer_state_device`` that is not a string or ``torch.device``.
-        RuntimeError: if the ranks were given different settings, or another rank's settings were
+        RuntimeError: if the ranks were given different settings (outer optimizers of other classes or
+            hyperparameters included), or another rank's settings were
             invalid (that rank raises the ValueError or TypeError; the others, in the constructor's
             one agreement collective, a RuntimeError naming it, instead of waiting for it); at an
             averaging round, on every rank of the subgroup, if ``param_groups`` holds tensors this
@@ -283,9 +286,11 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             outer_optimizers=outer_optimizers,
             outer_state_device=outer_state_device,
         )
+        # The buffers come last in tensors_to_average(); an outer optimizer steps the parameters only.
+        self.averager.outer_skip_last = len(self.buffers)
         self._sync_replicas_at_construction()
         if self.averager.needs_anchors:  # warmup_steps == 0: the anchors are the starting point
-            self.averager.take_anchors(self.tensors_to_average())
+            self.averager.take_anchors(self.tensors_to_average(), agree=True)
 
     def _sync_replicas_at_construction(self) -> None:
         """Make the replicas equal at construction, before the anchors are taken. Nothing here: plain
@@ -521,7 +526,11 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         # The averaging state is checked first, and restored if the inner optimizer rejects its part:
         # a rejected state dict changes neither the inner optimizer nor the count; the anchors and outer
         # optimizer state are checked first and loaded last.
-        outer = self.averager.check_outer_state(averaging_state)
+        # Checked against this rank's tensors (unless tensors_to_average looks up masters the inner optimizer
+        # may not have created yet), so that anchors of another model fail here even during a warm-up.
+        outer = self.averager.check_outer_state(
+            averaging_state, self.tensors_to_average() if self._tensors_fn is None else None
+        )
         previous = (self.averager.step, self.averager._verify_step_pending)
         self.averager.load_step_state(averaging_state)
         if averaging_step is not None and averaging_step != self.averager.step:

@@ -166,28 +166,110 @@ def check_outer_state_device(value: str | torch.device | None) -> torch.device |
     return device
 
 
-def _check_factory_result(optimizer: object, period: int, factory: OuterFactory) -> torch.optim.Optimizer:
+def _check_factory_result(
+    optimizer: object, period: int, factory: OuterFactory, tensors: Sequence[torch.Tensor]
+) -> torch.optim.Optimizer:
+    """``optimizer`` if it is a ``torch.optim.Optimizer`` over exactly ``tensors`` (each once, by identity)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"outer_optimizers[{period}] ({factory!r}) returned {type(optimizer).__name__}, not a "
             "torch.optim.Optimizer: the factory must build the optimizer over the tensors it is given, e.g. "
             "lambda tensors: torch.optim.SGD(tensors, lr=0.7, momentum=0.9, nesterov=True)."
         )
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    given = {id(t) for t in tensors}
+    if len(held) != len(tensors) or {id(p) for p in held} != given:
+        foreign = sum(id(p) not in given for p in held)
+        raise TypeError(
+            f"outer_optimizers[{period}] ({factory!r}) built an optimizer over {len(held)} tensor(s) ({foreign} of "
+            f"them not among those it was given), but the factory must build the optimizer over exactly the "
+            f"{len(tensors)} tensor(s) it is given, each once: they are the level's anchors, which the outer step "
+            "updates (not the model's parameters, nor copies, nor an optimizer built once and returned again), e.g. "
+            "lambda tensors: torch.optim.SGD(tensors, lr=0.7, momentum=0.9, nesterov=True)."
+        )
     return optimizer
 
 
-def probe_factory(period: int, factory: OuterFactory) -> None:
-    """Call ``factory`` on one small fp32 tensor and check that it returns a ``torch.optim.Optimizer``.
+def _simple(value: object) -> object:
+    """``value`` if its ``repr`` is the same in every process (numbers, strings, tuples of them), else its type."""
+    if value is None or isinstance(value, (bool, numbers.Number, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_simple(v) for v in value)
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    return type(value).__qualname__
 
-    Run at construction, so that a factory returning something else is a ``TypeError`` on every rank
-    before any collective, not at the end of the warm-up. A factory that raises on this probe (e.g. it
+
+def probe_factory(period: int, factory: OuterFactory) -> tuple[str, dict[str, object]] | None:
+    """Call ``factory`` on one small fp32 tensor; check that it returns a ``torch.optim.Optimizer`` over it.
+
+    Run at construction, so that a factory returning something else, or an optimizer over other tensors
+    (the model's parameters, copies, an optimizer built once for every level), is a ``TypeError`` on every
+    rank before any collective, not at the end of the warm-up; a non-finite hyperparameter, or
+    ``maximize=True``, a ``ValueError``. A factory that raises on this probe (e.g. it
     expects a given number of tensors) is left to :meth:`OuterLevel.take`.
+
+    Returns:
+        What the ranks must agree on: the optimizer's class and its hyperparameters (``defaults``), or
+        ``None`` if the factory raised on the probe.
     """
+    probe = [torch.zeros(1, dtype=torch.float32)]
     try:
-        result = factory([torch.zeros(1, dtype=torch.float32)])
+        result = factory(probe)
     except Exception:  # noqa: BLE001 - the real tensors decide, at take()
-        return
-    _check_factory_result(result, period, factory)
+        return None
+    optimizer = _check_factory_result(result, period, factory, probe)
+    _check_hyperparameters(optimizer, period, factory)
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}", {k: _simple(v) for k, v in sorted(optimizer.defaults.items())}
+
+
+def _check_hyperparameters(optimizer: torch.optim.Optimizer, period: int, factory: OuterFactory) -> None:
+    """Raise ``ValueError`` for a non-finite hyperparameter, or ``maximize=True`` (steps away from the mean)."""
+    for key, value in optimizer.defaults.items():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        for v in values:
+            if torch.is_tensor(v):
+                finite = bool(torch.isfinite(v).all())
+            else:
+                finite = not isinstance(v, float) or math.isfinite(v)
+            if not finite:
+                raise ValueError(
+                    f"outer_optimizers[{period}] ({factory!r}) builds {type(optimizer).__name__} with {key}={value!r}: "
+                    "every hyperparameter of an outer optimizer must be finite (a NaN or infinite one makes every "
+                    "anchor non-finite at the first round); DiLoCo uses lr=0.7, momentum=0.9."
+                )
+    if optimizer.defaults.get("maximize") is True:
+        raise ValueError(
+            f"outer_optimizers[{period}] ({factory!r}) builds {type(optimizer).__name__} with maximize=True: the "
+            "pseudo-gradient is anchor - mean (torchft's sign), so maximizing would step the anchors away from the "
+            "mean at every round. Leave maximize=False."
+        )
+
+
+def _meta_state(value: object) -> object:
+    """``value`` with every tensor of one or more dimensions replaced by a meta tensor of its shape (no memory),
+    and every scalar tensor cloned: an outer optimizer state dict a dry run may load and step."""
+    if torch.is_tensor(value):
+        return torch.empty_like(value, device="meta") if value.dim() > 0 else value.clone()
+    if isinstance(value, Mapping):
+        return {k: _meta_state(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta_state(v) for v in value)
+    return value
+
+
+@torch.no_grad()
+def _dry_step(factory: OuterFactory, anchors: Sequence[torch.Tensor], state: Mapping[str, Any] | None) -> None:
+    """Build the outer optimizer over meta copies of ``anchors``, load ``state`` (if any) and step once."""
+    params = [torch.empty_like(a, device="meta") for a in anchors]
+    optimizer = factory(params)
+    if state is not None:
+        optimizer.load_state_dict(_meta_state(state))
+    for p in params:
+        p.grad = torch.empty_like(p)
+    optimizer.step()
 
 
 def _tensor_bytes(value: object) -> int:
@@ -228,7 +310,7 @@ class OuterLevel:
         anchors = [
             t.detach().to(device=self.device or t.device, dtype=torch.float32, copy=True) for t in tensors
         ]
-        optimizer = _check_factory_result(self.factory(anchors), self.period, self.factory)
+        optimizer = _check_factory_result(self.factory(anchors), self.period, self.factory, anchors)
         self.anchors, self.optimizer, self.synced = anchors, optimizer, False
 
     @torch.no_grad()
@@ -272,9 +354,12 @@ class OuterLevel:
             by_device.setdefault(g.device, []).append(torch.linalg.vector_norm(g, dtype=torch.float64))
         squares = sum(float(torch.stack(norms).square().sum()) for norms in by_device.values())
         self.pseudo_grad_norm = math.sqrt(squares)
-        self.optimizer.step()
+        try:
+            self.optimizer.step()
+        finally:  # the pseudo-gradient is never kept, not even when the outer step raises
+            for a in self.anchors:
+                a.grad = None
         for a, t in zip(self.anchors, tensors):
-            a.grad = None
             t.copy_(a)
         self.synced = True
 
@@ -291,7 +376,9 @@ class OuterLevel:
         assert self.anchors is not None and self.optimizer is not None
         return {"anchors": list(self.anchors), "optimizer": self.optimizer.state_dict(), "synced": self.synced}
 
-    def check_state(self, state: object) -> tuple[list[torch.Tensor], Mapping[str, Any], bool]:
+    def check_state(
+        self, state: object, tensors: Sequence[torch.Tensor] | None = None
+    ) -> tuple[list[torch.Tensor], Mapping[str, Any], bool]:
         """Validate one level's saved state; return ``(anchors, optimizer state dict, synced)``. Changes nothing.
 
         Raises:
@@ -321,29 +408,60 @@ class OuterLevel:
                     f"{where}: its outer optimizer state covers {held} tensors but it holds {len(anchors)} anchors: "
                     "save and load the state dict HierarchicalAverager.state_dict() returns, unchanged."
                 )
-        if self.anchors is not None:
-            if len(anchors) != len(self.anchors):
+        reference = self.anchors if self.anchors is not None else tensors
+        if reference is not None:
+            if len(anchors) != len(reference):
                 raise ValueError(
-                    f"{where} holds {len(anchors)} anchors, but this rank averages {len(self.anchors)} tensors: load "
+                    f"{where} holds {len(anchors)} anchors, but this rank averages {len(reference)} tensors: load "
                     "the checkpoint of the same model, with the same parameters averaged (and frozen)."
                 )
-            for i, (saved, mine) in enumerate(zip(anchors, self.anchors)):
+            for i, (saved, mine) in enumerate(zip(anchors, reference)):
                 if saved.shape != mine.shape:
                     raise ValueError(
                         f"{where}: anchor {i} has shape {tuple(saved.shape)}, but this rank's tensor {i} has shape "
                         f"{tuple(mine.shape)}: load the checkpoint of the same model and sharding."
                     )
+        self._check_loadable(where, anchors, state["optimizer"])
         return list(anchors), state["optimizer"], bool(state.get("synced", True))
 
+    def _check_loadable(self, where: str, anchors: Sequence[torch.Tensor], optimizer_state: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` if the outer optimizer rejects ``optimizer_state``: a dry run on meta tensors.
+
+        The factory's optimizer is built over meta copies of ``anchors`` (no memory), loads the saved state
+        and steps once, so that a state torch.optim rejects, or one of another optimizer class or with buffers
+        of other shapes, fails here, before anything is loaded, and not halfway through loading or at the next
+        round. Skipped if the optimizer cannot step on meta tensors without any state loaded.
+        """
+        try:
+            _dry_step(self.factory, anchors, None)
+        except Exception:  # noqa: BLE001 - an optimizer that needs real tensors: no dry run
+            return
+        try:
+            _dry_step(self.factory, anchors, optimizer_state)
+        except Exception as exc:  # noqa: BLE001 - whatever the optimizer raises names the fault
+            raise ValueError(
+                f"{where} is rejected by the outer optimizer outer_optimizers[{self.period}] builds "
+                f"({type(exc).__name__}: {exc}): load a checkpoint saved with the same outer optimizer (class and "
+                "parameter groups) and the same model. Nothing was loaded."
+            ) from exc
+
     @torch.no_grad()
-    def load(self, anchors: list[torch.Tensor], optimizer_state: Mapping[str, Any], synced: bool) -> None:
-        """Restore :meth:`check_state`'s output: into the current anchors if any, else new fp32 anchors."""
-        if self.anchors is not None:
-            for mine, saved in zip(self.anchors, anchors):
-                mine.copy_(saved)
-            self.optimizer = _check_factory_result(self.factory(self.anchors), self.period, self.factory)
-        else:
-            self.take(anchors)
+    def load(
+        self,
+        anchors: list[torch.Tensor],
+        optimizer_state: Mapping[str, Any],
+        synced: bool,
+        tensors: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        """Restore :meth:`check_state`'s output: into the current anchors and outer optimizer if any (the same
+        objects, so references to them stay valid), else into new fp32 anchors and a new outer optimizer."""
+        if self.anchors is None or self.optimizer is None:
+            # New anchors where take() puts them (outer_state_device, else with ``tensors``), not wherever the
+            # checkpoint was mapped (map_location="cpu" would keep them in host memory for the rest of the run).
+            self.take(tensors if tensors is not None else anchors)
+        assert self.anchors is not None and self.optimizer is not None
+        for mine, saved in zip(self.anchors, anchors):
+            mine.copy_(saved)
         self.optimizer.load_state_dict(optimizer_state)
         self.synced = synced
 

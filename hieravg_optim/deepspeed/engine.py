@@ -353,7 +353,8 @@ class DeepSpeedAveraging:
         self.averager.broadcast_from_first_replica(self.master_tensors() + self.frozen_module_tensors())
         self.push_to_module()
         if self.averager.has_outer and self.config.warmup_steps == 0:
-            self.take_anchors()
+            # Agreed: a rank that cannot take its anchors (no memory left for them) raises on every rank.
+            self.averager.take_anchors(self.tensors_to_average(), agree=True)
 
     def take_anchors(self) -> None:
         """Set the anchor of every level with an outer optimizer to the current :meth:`tensors_to_average`.
