@@ -309,6 +309,22 @@ def _scenario_everything_at_once(rank: int) -> dict:
     return {"rows": rows}
 
 
+def _scenario_buffers(rank: int) -> dict:
+    """Buffers (``buffers=``) are averaged plainly at a level with an outer optimizer; parameters get the outer step."""
+    from hieravg_optim import nesterov_outer
+
+    params = _model(rank)
+    running_var = torch.full((3,), 1.0 + rank)  # a BatchNorm-like statistic, positive on every rank
+    opt = _wrap(params, buffers=[running_var], outer_optimizers={4: nesterov_outer(lr=0.7, momentum=0.9)})
+    out = []
+    for count in range(9):  # the top level's rounds at counts 0, 4 and 8
+        running_var.fill_(float(count) + 2.0 * rank)
+        _train(params, opt, rank, count, count + 1)
+        if count % 4 == 0:
+            out.append({"count": count, "running_var": running_var.tolist(), "anchors": len(opt.averager.state_dict()["outer"][4]["anchors"])})
+    return {"rounds": out, "params": [p.detach().flatten().tolist() for p in params]}
+
+
 def _scenarios(rank: int, world_size: int) -> dict:
     assert world_size == WORLD
     warnings.simplefilter("ignore")
@@ -321,6 +337,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
             "memory": _scenario_memory,
             "held": _scenario_held,
             "everything": _scenario_everything_at_once,
+            "buffers": _scenario_buffers,
         },
         rank,
     )
@@ -445,3 +462,14 @@ def test_replicas_stay_identical_with_every_option_at_once(results):
                 assert everyone and finite, (rank, count, row)
             if expected in ("all", "pairs"):
                 assert all(pairs), (rank, count, row)
+
+
+def test_buffers_are_averaged_plainly_at_an_outer_level(results):
+    for rank, per_rank in enumerate(results):
+        rounds = per_rank["buffers"]["rounds"]
+        assert [r["count"] for r in rounds] == [0, 4, 8], rank
+        for r in rounds:
+            # count + 2 * rank on ranks 0-3: the plain mean is count + 3, which an outer step would overshoot.
+            assert r["running_var"] == [r["count"] + 3.0] * 3, (rank, r)
+            assert r["anchors"] == 2, (rank, r)  # the two parameters, not the buffer
+    assert all(per_rank["buffers"]["params"] == results[0]["buffers"]["params"] for per_rank in results)
