@@ -110,11 +110,17 @@ def _positive_float(text: str) -> float:
 
 
 class _RankZeroParser(argparse.ArgumentParser):
-    """Under torchrun every rank parses the arguments; only rank 0 prints the usage error."""
+    """Under torchrun every rank parses the arguments; only rank 0 prints the usage error.
+
+    The other ranks wait (up to a minute) before they exit: torchrun stops every rank as soon as one
+    exits, and a rank 1 that exited first could stop rank 0 (still importing torch on a loaded
+    machine) before it printed the message. Rank 0's exit stops them at once.
+    """
 
     def error(self, message: str):  # type: ignore[override]
         if os.environ.get("RANK", "0") == "0":
             super().error(message)
+        time.sleep(60)
         sys.exit(2)
 
 
