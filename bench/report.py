@@ -5,8 +5,9 @@
                                     # and copy bench/results/convergence*.png to docs/img/
 
 Reads whatever of ``averaging.json``, ``overhead.json``, ``convergence.json``,
-``convergence_chars.json`` and ``multinode.json`` exists; it measures nothing itself. ``docs/performance.md`` includes the
-``--docs`` files (``--8<--`` snippets), so rerun it after a benchmark rewrites its results.
+``convergence_chars.json``, ``convergence_chars_long.json`` and ``multinode.json`` exists; it
+measures nothing itself. ``docs/performance.md`` includes the ``--docs`` files (``--8<--``
+snippets), so rerun it after a benchmark rewrites its results.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 DOCS_SNIPPETS = os.path.join(ROOT, "docs", "snippets")
 DOCS_IMAGES = os.path.join(ROOT, "docs", "img")
-PLOTS = ("convergence.png", "convergence_chars.png")
+PLOTS = ("convergence.png", "convergence_chars.png", "convergence_chars_long.png")
 """Plots under ``bench/results/`` that the performance page shows, copied by ``--docs``."""
 
 
@@ -162,7 +163,8 @@ def multinode(d) -> str:
 
 SECTIONS: tuple[tuple[str, Callable[[dict], str]], ...] = (
     ("averaging", averaging), ("overhead", overhead), ("convergence", convergence),
-    ("convergence_chars", convergence_chars), ("multinode", multinode),
+    ("convergence_chars", convergence_chars), ("convergence_chars_long", convergence_chars),
+    ("multinode", multinode),
 )
 
 

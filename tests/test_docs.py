@@ -37,7 +37,7 @@ def test_performance_tables_match_the_benchmark_results(tmp_path):
     report = _report_module()
     snippets, images = tmp_path / "snippets", tmp_path / "img"
     written = report.write_docs(snippets=str(snippets), images=str(images))
-    assert len(written) == 7, written  # five tables and the two convergence plots
+    assert len(written) == 9, written  # six tables and the three convergence plots
     for fresh in [*snippets.iterdir(), *images.iterdir()]:
         committed = ROOT / "docs" / fresh.parent.name / fresh.name
         assert committed.exists() and committed.read_bytes() == fresh.read_bytes(), (
