@@ -294,7 +294,8 @@ def chars_main(args) -> None:
         r["environment_load_average"] = env["load_average_1_5_15"]
     path = os.path.join(RESULTS_DIR, f"{args.name}.json")
     redone = {_row_key(r) for r in rows}
-    for name in args.merge if args.merge is not None else []:
+    # "--merge" alone (an empty list) merges this run's own earlier file.
+    for name in (args.merge or [args.name]) if args.merge is not None else []:
         earlier_path = os.path.join(RESULTS_DIR, f"{name or args.name}.json")
         if not os.path.exists(earlier_path):
             continue
