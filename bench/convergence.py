@@ -67,6 +67,27 @@ CONTENDERS = {
 }
 
 
+def _count_rounds(row, opt, levels, steps, name):
+    """Put a run's global rounds and rounds per level into ``row``, checked against ``rounds_per_level``.
+
+    Synchronous DP (``levels`` None) all-reduces the gradients over all ranks once per step. Returns
+    the wrapper's ``metrics()``, or None for DP.
+    """
+    from hieravg_optim.schedule import AveragingLevel, rounds_per_level
+
+    if levels is None:
+        row["global_rounds"] = steps
+        row["rounds_per_level"] = {"grad_allreduce_every_step": steps}
+        return None
+    metrics = opt.metrics()
+    expected = rounds_per_level(0, steps, [AveragingLevel(p, g) for p, g in levels.items()], 0)
+    got = [metrics[p]["rounds"] for p in levels]
+    assert got == expected, f"{name}: rounds per level {got} != rounds_per_level {expected}"
+    row["rounds_per_level"] = {str(p): metrics[p]["rounds"] for p in levels}
+    row["global_rounds"] = metrics[max(levels)]["rounds"]
+    return metrics
+
+
 def _averaged_eval(model, shard, world_size, torch, dist):
     """Loss on the whole training set and test loss/accuracy of the mean of the replicas (no rank changes)."""
     import copy
@@ -100,7 +121,6 @@ def _rank(rank: int, world_size: int, steps: int, batch: int, lr: float, hidden:
     from digits_common import batches, build_mlp, load_digits_shard
 
     from hieravg_optim import HierarchicalAveragingOptimizer
-    from hieravg_optim.schedule import AveragingLevel, rounds_per_level
 
     out = []
     for split in ("iid", "non_iid"):
@@ -134,17 +154,9 @@ def _rank(rank: int, world_size: int, steps: int, batch: int, lr: float, hidden:
             seconds = time.perf_counter() - t0
             curve.append((step, *_averaged_eval(model, shard, world_size, torch, dist)))
             row = {"split": split, "contender": name, "levels": levels, "curve": curve, "seconds": seconds}
-            if levels is None:
-                row["global_rounds"] = steps  # one gradient all-reduce over all ranks per step
-                row["rounds_per_level"] = {"grad_allreduce_every_step": steps}
-            else:
-                metrics = opt.metrics()
-                expected = rounds_per_level(0, steps, [AveragingLevel(p, g) for p, g in levels.items()], 0)
-                got = [metrics[p]["rounds"] for p in levels]
-                assert got == expected, f"{name}: rounds per level {got} != rounds_per_level {expected}"
-                row["rounds_per_level"] = {str(p): metrics[p]["rounds"] for p in levels}
+            metrics = _count_rounds(row, opt, levels, steps, name)
+            if metrics is not None:
                 row["bytes_sent_per_level"] = {str(p): metrics[p]["bytes_sent"] for p in levels}
-                row["global_rounds"] = metrics[max(levels)]["rounds"]
             out.append(row)
             if levels is None:
                 del net
@@ -183,7 +195,7 @@ def _chars_rank(rank: int, world_size: int, runs, steps: int, batch: int, contex
     from digits_common import replicas_identical
 
     from hieravg_optim import HierarchicalAveragingOptimizer
-    from hieravg_optim.schedule import AveragingLevel, level_at, rounds_per_level
+    from hieravg_optim.schedule import level_at
 
     shard = load_char_shard(rank, world_size, context=context)
     out = []
@@ -220,17 +232,9 @@ def _chars_rank(rank: int, world_size: int, runs, steps: int, batch: int, contex
         seconds = time.perf_counter() - t0 - eval_seconds
         row = {"contender": name, "lr": lr, "outer_lr": outer_lr, "outer_momentum": outer_momentum if outer else None,
                "levels": levels, "outer_periods": list(outer), "curve": curve, "seconds": seconds}  # fmt: skip
-        if levels is None:
-            row["global_rounds"] = steps
-            row["rounds_per_level"] = {"grad_allreduce_every_step": steps}
-        else:
-            metrics = opt.metrics()
-            expected = rounds_per_level(0, steps, [AveragingLevel(p, g) for p, g in levels.items()], 0)
-            got = [metrics[p]["rounds"] for p in levels]
-            assert got == expected, f"{name}: rounds per level {got} != rounds_per_level {expected}"
+        metrics = _count_rounds(row, opt, levels, steps, name)
+        if metrics is not None:
             assert level_at(steps - 1, levels, 0) == len(levels) - 1, "the run must end on a top-level round"
-            row["rounds_per_level"] = {str(p): metrics[p]["rounds"] for p in levels}
-            row["global_rounds"] = metrics[max(levels)]["rounds"]
             row["pseudo_grad_norm_last_round"] = {str(p): metrics[p].get("pseudo_grad_norm") for p in levels}
         row["replicas_identical"] = replicas_identical(list(model.parameters()))
         out.append(row)

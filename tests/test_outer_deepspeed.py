@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import run_distributed, run_scenarios
-from tests.test_deepspeed import _full_masters, _full_module, _gather, _max_diff
+from tests.test_deepspeed import _full_masters, _full_module, _gather, _max_diff, _model
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -75,13 +75,6 @@ def _config(stage, prec, section=None):
     if section is not None:
         cfg["hierarchical_averaging"] = section
     return cfg
-
-
-def _model():
-    import torch
-
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
 def _build(stage, prec, section, shift=0.0):
