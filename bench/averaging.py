@@ -21,7 +21,11 @@ processes time, interleaved and in rotating order:
   :func:`~hieravg_optim.agreement.has_nonfinite` alone (local): the cost of the non-finite guard
   (``ours`` runs it, as the default ``nonfinite="raise"`` does) is ``ours - ours_unchecked``,
   reported as a fraction of a round, of medians and (``guard_fraction_paired_median``) as the median
-  of the per-repetition differences; ``bench/nonfinite.py`` times the check alone against another revision's.
+  of the per-repetition differences; ``bench/nonfinite.py`` times the check alone against another revision's;
+* ``half_allreduce``: ``dist.all_reduce`` of a preallocated buffer of half the bucket (the first piece
+  of a round's communication), and ``check_during_allreduce``: the check run while that all-reduce is
+  in flight (``async_op=True``): how much of the check overlapping it with communication would hide
+  (``check_hidden_by_overlap``, of medians).
 
 Each contender has its own copy of the parameters. Time of a round = the slowest
 rank's (all ranks start at a barrier); median over ``--reps`` rounds after one warm-up.
@@ -124,6 +128,16 @@ def _bench_rank(
         def nonfinite_check():
             assert not has_nonfinite([p.detach() for p in ours_params])
 
+        half = torch.full((int(bucket_mb * 1e6) // 8,), float(rank))
+
+        def half_allreduce():
+            dist.all_reduce(half, group=group)
+
+        def check_during_allreduce():
+            work = dist.all_reduce(half, group=group, async_op=True)
+            assert not has_nonfinite([p.detach() for p in ours_params])
+            work.wait()
+
         coalesced_params = _make(shapes, rank, torch)
         coalesced_pool = BucketPool()
 
@@ -137,6 +151,7 @@ def _bench_rank(
         contenders = {
             "ours": ours, "ours_raw": ours_raw, "ours_coalesced": ours_coalesced, "torch": torch_avg, "floor": floor,
             "ours_unchecked": ours_unchecked, "nonfinite_check": nonfinite_check,
+            "half_allreduce": half_allreduce, "check_during_allreduce": check_during_allreduce,
         }
         if baseline:
             old = _load_baseline(baseline)
@@ -196,7 +211,7 @@ def _bench_rank(
         )
         if baseline:
             del base_params, base_pool
-        del ours_params, raw_params, torch_params, flat, averager, raw_pool, unchecked_params, unchecked
+        del ours_params, raw_params, torch_params, flat, averager, raw_pool, unchecked_params, unchecked, half
 
     sharded_result = None
     if sharded:
@@ -305,6 +320,10 @@ def main() -> None:
             r["guard_fraction_paired_median"] = median(
                 [(a - b) / b for a, b in zip(r["times_s"]["ours"], r["times_s"]["ours_unchecked"])]
             )
+            # Overlap: the share of the check that an all-reduce of half a bucket in flight hides.
+            r["check_hidden_by_overlap"] = (
+                med["half_allreduce"] + med["nonfinite_check"] - med["check_during_allreduce"]
+            ) / med["nonfinite_check"]
             if "baseline_raw" in med:
                 r["baseline_rev"] = args.baseline_rev
                 r["ratio_ours_raw_baseline_raw"] = med["ours_raw"] / med["baseline_raw"]
@@ -341,6 +360,9 @@ def main() -> None:
               f"{r['median_s']['ours_unchecked']:.3f} s unchecked (+{100 * r['guard_fraction_of_round']:.1f}%); "
               f"the check alone {r['median_s']['nonfinite_check']:.4f} s ({100 * r['check_fraction_of_round']:.1f}% "
               f"of a round); paired per round +{100 * r['guard_fraction_paired_median']:.1f}%; target <= 5%")
+        print(f"  overlapped with an all-reduce of half a bucket ({r['median_s']['half_allreduce']:.4f} s alone): "
+              f"{r['median_s']['check_during_allreduce']:.4f} s, {100 * r['check_hidden_by_overlap']:.0f}% of the "
+              "check hidden")
         m = r["median_s"]
         print(f"A/B paths: {r['model']} on {r['world_size']} ranks: coalesced {m['ours_coalesced']:.3f} s, "
               f"pipelined {m['ours_raw']:.3f} s (coalesced/pipelined {m['ours_coalesced'] / m['ours_raw']:.2f})")

@@ -2,7 +2,7 @@
 
 Run (about a minute on one CPU core)::
 
-    OMP_NUM_THREADS=1 python bench/nonfinite.py --baseline-rev 50a4469
+    OMP_NUM_THREADS=1 python bench/nonfinite.py --baseline-rev b4ad337
 
 One process, one thread, the parameters of ``bench/averaging.py``'s GPT-like models (about 10M and
 100M elements, ~150 tensors of mixed sizes) in float32 and bfloat16. The two implementations are

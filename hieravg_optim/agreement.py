@@ -197,27 +197,28 @@ def check_agreement(
 def has_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether any element of ``tensors`` is a NaN or an infinity; local, no collective.
 
-    Exact, and read once: each tensor is summed (float16 and bfloat16 in float32), and the sums of
-    each (device, dtype) are checked together, with one host synchronisation per such group (one in
-    all for a model of one dtype on one device). A sum is non-finite whenever an element is (NaN and
-    infinities propagate); it can also be non-finite for finite elements whose sum overflows (beyond
-    about 3.4e38 in float32), so only a tensor whose sum is non-finite is then checked element by
-    element, which tells the two apart. Extra memory: one scalar per tensor (plus, only for a tensor
-    whose sum is non-finite, a bool tensor of its size). Cost measured in ``bench/averaging.py``
-    (``docs/faults.md``).
+    Exact, and read once: the 2-norm of every tensor is taken with one ``torch._foreach_norm`` call
+    per (device, dtype) (one fused pass on CUDA, as in ``torch.nn.utils.clip_grad_norm_``; float16
+    and bfloat16 in float32), and the norms of each such group are checked together, with one host
+    synchronisation per group (one in all for a model of one dtype on one device). A norm is
+    non-finite whenever an element is (NaN and infinities propagate through the squares); it can
+    also be non-finite for finite elements whose squares overflow (magnitudes beyond about 1.8e19
+    in float32), so only a tensor whose norm is non-finite is then checked element by element,
+    which tells the two apart. Complex tensors are checked as their real view. Extra memory: one
+    scalar per tensor (plus, only for a tensor whose norm is non-finite, a bool tensor of its size).
+    Cost measured in ``bench/nonfinite.py`` and ``bench/averaging.py`` (``docs/faults.md``).
     """
-    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel() and (t.is_floating_point() or t.is_complex()):
-            s = t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()
-            members, sums = groups.setdefault((t.device, s.dtype), ([], []))
-            members.append(t)
-            sums.append(s)
-    for members, sums in groups.values():
-        finite = torch.isfinite(torch.stack(sums))
+            t = torch.view_as_real(t) if t.is_complex() else t
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    for (_, dtype), members in groups.items():
+        with torch.no_grad():
+            finite = torch.isfinite(torch.stack(torch._foreach_norm(members, 2, dtype=torch.float32 if dtype == torch.float16 else None)))
         if bool(finite.all()):
             continue
-        # A non-finite sum: a non-finite element, or finite elements whose sum overflowed.
+        # A non-finite norm: a non-finite element, or finite elements whose squares overflowed.
         if any(not bool(torch.isfinite(t).all()) for t, ok in zip(members, finite.tolist()) if not ok):
             return True
     return False

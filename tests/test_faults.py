@@ -357,10 +357,20 @@ def test_backend_failures_are_told_from_the_agreement_errors():
 def test_has_nonfinite():
     from hieravg_optim.agreement import has_nonfinite
 
-    big = torch.full((4,), 3e38)  # its float32 sum overflows: finite all the same
-    assert not has_nonfinite([big, torch.ones(2, dtype=torch.float16) * 60000, torch.zeros(0)])
-    assert has_nonfinite([big, torch.tensor([1.0, float("nan")])])
-    assert has_nonfinite([torch.tensor([float("-inf")], dtype=torch.bfloat16)])
+    nan, inf = float("nan"), float("inf")
+    big = torch.full((4,), 3e38)  # its squares overflow float32: finite all the same
+    wide = torch.full((100,), 60000.0, dtype=torch.float16)  # its 2-norm (6e5) is beyond float16's range
+    assert not has_nonfinite([big, wide, torch.zeros(0), torch.tensor([1e19, 3e19], dtype=torch.bfloat16)])
+    assert has_nonfinite([big, torch.tensor([1.0, nan])])
+    assert has_nonfinite([torch.tensor([-inf], dtype=torch.bfloat16)])
+    assert has_nonfinite([wide, torch.tensor([1.0, inf], dtype=torch.float16)])
+    assert has_nonfinite([torch.tensor([1.0, nan], dtype=torch.float64)])
+    assert has_nonfinite([torch.tensor([1 + 1j, complex(0, nan)])])
+    assert not has_nonfinite([torch.tensor([1 + 1j, 2j])])
+    assert has_nonfinite([torch.tensor([[1.0, nan], [1.0, 2.0]]).t()])  # not contiguous
+    assert not has_nonfinite([torch.arange(20.0).view(4, 5).t()[1:]])
+    assert has_nonfinite([torch.ones(8) for _ in range(50)] + [torch.tensor([inf])] + [torch.ones(8)])
+    assert has_nonfinite([torch.nn.Parameter(torch.tensor([nan, 1.0]))])  # requires grad: no graph built
     assert not has_nonfinite([torch.arange(3)])  # integer tensors are never averaged
 
 
