@@ -67,7 +67,9 @@ class LevelMetrics:
     subgroup_size: int
     """Ranks this rank averages with at this level (replicas holding the same shard)."""
     rounds: int = 0
-    """Averaging rounds run."""
+    """Averaging rounds run, as the schedule gives them: a level whose subgroup is this rank alone
+    (``subgroup_size`` 1, a single replica) counts its rounds too, with no communication
+    (``payload_bytes`` and ``bytes_sent`` stay 0; an outer optimizer still steps)."""
     payload_bytes: int = 0
     """Bytes this rank all-reduced, in the level's wire dtypes (``comm_dtype``), summed over rounds."""
     bytes_sent: int = 0
