@@ -42,6 +42,10 @@ __all__ = [
     "local_tensor",
 ]
 
+TAKE_ANCHORS = "taking the anchors of the outer optimizers"
+"""What :meth:`HierarchicalAverager.take_anchors` agrees on (``agree=True``); ranks that take no anchors at that
+point call :func:`~hieravg_optim.agreement.agree_across_ranks` with it and ``None``, the same collective."""
+
 logger = logging.getLogger(__package__ + ".optimizer")
 """The metrics of ``log_metrics_every`` go to the ``hieravg_optim.optimizer`` logger, the name documented for it."""
 
@@ -120,7 +124,8 @@ def check_outer(
     """
     factories = check_outer_optimizers(outer_optimizers, config.levels)
     device = check_outer_state_device(outer_state_device)
-    kinds = {period: probe_factory(period, factory) for period, factory in factories.items()}
+    sizes = {lv.period: lv.group_size for lv in config.levels}
+    kinds = {period: probe_factory(period, factory, sizes[period]) for period, factory in factories.items()}
     return factories, device, kinds
 
 
@@ -239,7 +244,7 @@ class HierarchicalAverager:
         """Where anchors and outer optimizer state live; ``None``: each tensor's own device."""
         # One entry per level: its outer state, or None for a level that averages plainly.
         self._outer: list[OuterLevel | None] = [
-            OuterLevel(lv.period, factories[lv.period], device) if lv.period in factories else None
+            OuterLevel(lv.period, factories[lv.period], device, lv.group_size) if lv.period in factories else None
             for lv in config.levels
         ]
         self.outer_skip_last: int = 0
@@ -341,7 +346,7 @@ class HierarchicalAverager:
             error = exc
         if agree:
             agree_across_ranks(
-                "taking the anchors of the outer optimizers",
+                TAKE_ANCHORS,
                 None,
                 self.process_group,
                 error=error,
