@@ -24,6 +24,9 @@ replicas differ until they average. The section's ``"outer_optimizer"`` steps, p
   averaging (ZeRO-1 and ZeRO-2, within 1e-6, as above), and Nesterov on ZeRO-2 matches the
   ``torch.optim.SGD`` reference from the fp16-rounded weights the masters start at (1e-6), no step
   skipped.
+* A checkpoint whose per-rank outer state does not fit the rank's masters (anchors in bf16, one
+  element short, one anchor fewer), loaded during a warm-up: a ``ValueError`` at load naming the
+  checkpoint and the file on that rank, a ``RuntimeError`` naming it on the others.
 * Bad configs: ``ValueError`` naming the key on every rank, before any engine exists; a section
   whose outer optimizer differs between ranks is a ``RuntimeError`` on every rank.
 * ``ds_configs/zero2_bf16_diloco.json`` as shipped trains with its two rounds.
@@ -330,6 +333,57 @@ def _resume_edges_case(rank, folder):
     return out
 
 
+def _load_mismatch_case(rank, folder):
+    """A checkpoint whose per-rank outer state does not fit this rank's masters, loaded during a warm-up (no anchors
+    held yet): an error at load time on every rank, naming the checkpoint; the failing rank's averaging state unchanged."""
+    import torch
+    import torch.distributed as dist
+
+    from hieravg_optim.deepspeed import outer_state_file
+
+    engine, _ = _build(1, "fp32", _section(NESTEROV))
+    for step in range(3):
+        _step(engine, rank, step)
+
+    def dtype(outer):  # a foreign file: anchors in bfloat16
+        outer["anchors"] = [a.to(torch.bfloat16) for a in outer["anchors"]]
+
+    def shape(outer):  # anchor 0 (and its momentum) one element short
+        outer["anchors"][0] = outer["anchors"][0][:-1].clone()
+        outer["optimizer"]["state"][0]["momentum_buffer"] = outer["optimizer"]["state"][0]["momentum_buffer"][:-1]
+
+    def count(outer):  # the last anchor gone, and the outer optimizer state over the others (consistent in itself)
+        last = len(outer["anchors"]) - 1
+        outer["anchors"].pop()
+        outer["optimizer"]["state"].pop(last)
+        outer["optimizer"]["param_groups"][-1]["params"].remove(last)
+
+    # (tag, the rank whose file is changed, the change)
+    cases = [("dtype", 3, dtype), ("shape", 1, shape), ("count", 0, count)]
+    for tag, _, _ in cases:
+        engine.save_checkpoint(folder, tag=tag)
+    dist.barrier()
+    for tag, bad_rank, change in cases:
+        if rank == bad_rank:
+            path = outer_state_file(os.path.join(folder, f"replica_{rank // S}", tag), rank % S)
+            saved = torch.load(path, weights_only=True)
+            change(saved["outer"][PERIOD])
+            torch.save(saved, path)
+    dist.barrier()
+    out = {}
+    for tag, _, _ in cases:
+        # A fresh engine per case: a load that failed on another rank leaves this rank's state loaded.
+        resumed, state = _build(1, "fp32", _section(NESTEROV, warmup=4))
+        out["masters"] = [tuple(t.shape) for t in state.tensors_to_average()]
+        try:
+            resumed.load_checkpoint(folder, tag=tag)
+            out[tag] = "no error"
+        except Exception as err:  # noqa: BLE001
+            out[tag] = f"{type(err).__name__}: {err}"
+        out[f"{tag} unchanged"] = state.step == 0 and not state.averager.has_anchors
+    return out
+
+
 def _bad_config_case(rank):
     """Bad outer configs, the same on every rank or on one rank only: an error on every rank, never a hang."""
     import torch
@@ -436,6 +490,7 @@ def _all_scenarios(rank, world_size, folder):
     scenarios["resume_zero2_bf16"] = lambda r: _resume_case(r, 2, "bf16", os.path.join(folder, "z2"))
     scenarios["resume_zero3_fp32"] = lambda r: _resume_case(r, 3, "fp32", os.path.join(folder, "z3"))
     scenarios["resume_edges_zero1_fp32"] = lambda r: _resume_edges_case(r, os.path.join(folder, "edges"))
+    scenarios["load_mismatch_zero1_fp32"] = lambda r: _load_mismatch_case(r, os.path.join(folder, "mismatch"))
     scenarios["shipped_config"] = _shipped_config_case
     scenarios["buffers_zero1_fp32"] = _buffers_case
     with warnings.catch_warnings():
@@ -566,6 +621,35 @@ def test_resume_without_outer_state_or_with_a_file_missing(results):
             assert r["missing_file"].startswith("FileNotFoundError") and "dp_rank_1.pt is missing" in r["missing_file"]
         else:
             assert r["missing_file"].startswith("RuntimeError: Rank 3 failed"), (rank, r["missing_file"])
+
+
+def test_outer_state_not_fitting_the_masters_raises_at_load_on_every_rank(results):
+    import re
+
+    expected = {
+        "dtype": (3, r"anchor 0 is bfloat16, but anchors are float32 copies of the averaged tensors"),
+        "shape": (1, r"anchor 0 has shape \((\d+),\), but this rank's tensor 0 has shape \((\d+),\)"),
+        "count": (0, r"holds 1 anchors, but this rank averages 2 tensors"),
+    }
+    for rank, per_rank in enumerate(results):
+        r = per_rank["load_mismatch_zero1_fp32"]
+        assert len(r["masters"]) == 2, (rank, r)  # ZeRO-1: one flat fp32 partition per parameter group
+        for tag, (bad_rank, pattern) in expected.items():
+            message = r[tag]
+            if rank != bad_rank:
+                assert message.startswith(f"RuntimeError: Rank {bad_rank} failed"), (rank, tag, message)
+            else:
+                assert message.startswith("ValueError: Loading the averaging state of the checkpoint "), message
+                assert f"replica_{rank // S}/{tag}/" in message, message
+                assert f"hierarchical_averaging_outer_dp_rank_{rank % S}.pt" in message, message
+                assert "The outer state of period 2 in the averaging state dict" in message, message
+                assert "Resume with the model, trainable parameters, ZeRO stage and ranks_per_replica" in message
+                # The failing rank's averaging state is unchanged (the others loaded theirs, then raised).
+                assert r[f"{tag} unchanged"], (rank, tag, r)
+            found = re.search(pattern, message)
+            assert found, (rank, tag, message)
+            if tag == "shape":
+                assert int(found.group(1)) + 1 == int(found.group(2)) == r["masters"][0][0], (rank, message)
 
 
 def test_bad_configs_raise_on_every_rank(results):
