@@ -328,10 +328,11 @@ class HierarchicalAverager:
                 wrappers and adapters do, at construction and at the end of the warm-up.
 
         Raises:
-            TypeError: if a factory returns something other than a ``torch.optim.Optimizer`` over exactly the
-                anchors it is given.
-            Exception: whatever a factory or the anchors' allocation raises; with ``agree``, on the ranks
-                where it happened, and a ``RuntimeError`` naming them on the others.
+            TypeError, ValueError, RuntimeError: if a factory fails on the anchors (raises, or returns something
+                other than a ``torch.optim.Optimizer`` over exactly the anchors it is given), naming the level
+                (period, group size) and the fix (:func:`hieravg_optim.outer.build_outer_optimizer`).
+            Exception: whatever the anchors' allocation raises. With ``agree``, each error on the ranks where it
+                happened, and a ``RuntimeError`` naming them on the others.
         """
         error: BaseException | None = None
         try:

@@ -224,8 +224,8 @@ def build_outer_optimizer(
         raise kind(
             f"{_level_name(period, group_size)}: the factory {factory!r} raised {type(exc).__name__}: {exc} when "
             f"building the outer optimizer over the level's {len(tensors)} fp32 anchor tensor(s) of shapes "
-            f"{listed} on {sorted({str(t.device) for t in tensors})} (it passed the one-element probe at "
-            "construction). The factory must accept any number of tensors of any shape, e.g. "
+            f"{listed} on {sorted({str(t.device) for t in tensors})}. The factory must accept any number of "
+            "tensors of any shape (at construction it was only probed on one one-element tensor), e.g. "
             "lambda tensors: torch.optim.SGD(tensors, lr=0.7, momentum=0.9, nesterov=True); if the outer state does "
             'not fit in memory, pass outer_state_device="cpu" or put the outer optimizer on fewer levels.'
         ) from exc
