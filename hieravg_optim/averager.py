@@ -42,6 +42,10 @@ __all__ = [
     "local_tensor",
 ]
 
+TAKE_ANCHORS = "taking the anchors of the outer optimizers"
+"""What :meth:`HierarchicalAverager.take_anchors` agrees on (``agree=True``); ranks that take no anchors at that
+point call :func:`~hieravg_optim.agreement.agree_across_ranks` with it and ``None``, the same collective."""
+
 logger = logging.getLogger(__package__ + ".optimizer")
 """The metrics of ``log_metrics_every`` go to the ``hieravg_optim.optimizer`` logger, the name documented for it."""
 
@@ -122,7 +126,8 @@ def check_outer(
     """
     factories = check_outer_optimizers(outer_optimizers, config.levels)
     device = check_outer_state_device(outer_state_device)
-    kinds = {period: probe_factory(period, factory) for period, factory in factories.items()}
+    sizes = {lv.period: lv.group_size for lv in config.levels}
+    kinds = {period: probe_factory(period, factory, sizes[period]) for period, factory in factories.items()}
     return factories, device, kinds
 
 
@@ -241,7 +246,7 @@ class HierarchicalAverager:
         """Where anchors and outer optimizer state live; ``None``: each tensor's own device."""
         # One entry per level: its outer state, or None for a level that averages plainly.
         self._outer: list[OuterLevel | None] = [
-            OuterLevel(lv.period, factories[lv.period], device) if lv.period in factories else None
+            OuterLevel(lv.period, factories[lv.period], device, lv.group_size) if lv.period in factories else None
             for lv in config.levels
         ]
         self.outer_skip_last: int = 0
@@ -325,10 +330,11 @@ class HierarchicalAverager:
                 wrappers and adapters do, at construction and at the end of the warm-up.
 
         Raises:
-            TypeError: if a factory returns something other than a ``torch.optim.Optimizer`` over exactly the
-                anchors it is given.
-            Exception: whatever a factory or the anchors' allocation raises; with ``agree``, on the ranks
-                where it happened, and a ``RuntimeError`` naming them on the others.
+            TypeError, ValueError, RuntimeError: if a factory fails on the anchors (raises, or returns something
+                other than a ``torch.optim.Optimizer`` over exactly the anchors it is given), naming the level
+                (period, group size) and the fix (:func:`hieravg_optim.outer.build_outer_optimizer`).
+            Exception: whatever the anchors' allocation raises. With ``agree``, each error on the ranks where it
+                happened, and a ``RuntimeError`` naming them on the others.
         """
         error: BaseException | None = None
         try:
@@ -343,7 +349,7 @@ class HierarchicalAverager:
             error = exc
         if agree:
             agree_across_ranks(
-                "taking the anchors of the outer optimizers",
+                TAKE_ANCHORS,
                 None,
                 self.process_group,
                 error=error,

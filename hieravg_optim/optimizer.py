@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .agreement import raise_on_every_rank
-from .averager import HierarchicalAverager, LevelMetrics, check_log_metrics_every, check_outer, local_tensor
+from .agreement import agree_across_ranks, raise_on_every_rank
+from .averager import TAKE_ANCHORS, HierarchicalAverager, LevelMetrics, check_log_metrics_every, check_outer, local_tensor
 from .checks import (
     add_checked_param_group,
     check_dtensor_layout,
@@ -404,12 +404,24 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, closure: Callable[[], float] | None = None):
+        # The first step after construction or a load: every rank of the process group is here, at the same count.
+        first = self.averager._verify_step_pending
         self.averager.verify_step_if_loaded()
         made = self.__dict__.pop("_initialized_state", None)
         if made is not None:
             drop_initialized_state(self.optimizer, made)
         if self.averager.needs_anchors:  # a checkpoint without anchors was loaded
-            self.averager.take_anchors(self.tensors_to_average())
+            # Agreed at the first step after the load, so that a factory failing on some ranks only raises on
+            # every rank here, not as a hang at the next round.
+            self.averager.take_anchors(self.tensors_to_average(), agree=first)
+        elif first and self.averager.has_outer:
+            # The ranks that need no anchors meet the agreement of those that take them (the same collective).
+            agree_across_ranks(
+                TAKE_ANCHORS,
+                None,
+                self.averager.process_group,
+                fix="Every rank must build its outer optimizers over its anchors without error.",
+            )
         loss = inner_step(
             self.optimizer, closure, getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         )

@@ -29,6 +29,7 @@ from .schedule import AveragingLevel, entries_by_period
 __all__ = [
     "OuterFactory",
     "OuterLevel",
+    "build_outer_optimizer",
     "check_outer_optimizers",
     "check_outer_state_device",
     "nesterov_outer",
@@ -166,13 +167,25 @@ def check_outer_state_device(value: str | torch.device | None) -> torch.device |
     return device
 
 
+def _level_name(period: int, group_size: int | None) -> str:
+    """``outer_optimizers[period]`` and, when known, the level it belongs to, for error messages."""
+    if group_size is None:
+        return f"outer_optimizers[{period}]"
+    return f"outer_optimizers[{period}] (the level of period {period}, group size {group_size})"
+
+
 def _check_factory_result(
-    optimizer: object, period: int, factory: OuterFactory, tensors: Sequence[torch.Tensor]
+    optimizer: object,
+    period: int,
+    factory: OuterFactory,
+    tensors: Sequence[torch.Tensor],
+    group_size: int | None = None,
 ) -> torch.optim.Optimizer:
     """``optimizer`` if it is a ``torch.optim.Optimizer`` over exactly ``tensors`` (each once, by identity)."""
+    name = _level_name(period, group_size)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
-            f"outer_optimizers[{period}] ({factory!r}) returned {type(optimizer).__name__}, not a "
+            f"{name}: the factory {factory!r} returned {type(optimizer).__name__}, not a "
             "torch.optim.Optimizer: the factory must build the optimizer over the tensors it is given, e.g. "
             "lambda tensors: torch.optim.SGD(tensors, lr=0.7, momentum=0.9, nesterov=True)."
         )
@@ -181,13 +194,42 @@ def _check_factory_result(
     if len(held) != len(tensors) or {id(p) for p in held} != given:
         foreign = sum(id(p) not in given for p in held)
         raise TypeError(
-            f"outer_optimizers[{period}] ({factory!r}) built an optimizer over {len(held)} tensor(s) ({foreign} of "
+            f"{name}: the factory {factory!r} built an optimizer over {len(held)} tensor(s) ({foreign} of "
             f"them not among those it was given), but the factory must build the optimizer over exactly the "
             f"{len(tensors)} tensor(s) it is given, each once: they are the level's anchors, which the outer step "
             "updates (not the model's parameters, nor copies, nor an optimizer built once and returned again), e.g. "
             "lambda tensors: torch.optim.SGD(tensors, lr=0.7, momentum=0.9, nesterov=True)."
         )
     return optimizer
+
+
+def build_outer_optimizer(
+    period: int, group_size: int | None, factory: OuterFactory, tensors: Sequence[torch.Tensor]
+) -> torch.optim.Optimizer:
+    """``factory(tensors)``, checked; every failure names the level and the fix. Local, no collective.
+
+    Raises:
+        TypeError: if the factory returns something other than a ``torch.optim.Optimizer`` over exactly
+            ``tensors``, or raises a ``TypeError`` itself.
+        ValueError: if the factory raises a ``ValueError`` (e.g. torch.optim rejecting a hyperparameter).
+        RuntimeError: if the factory raises anything else (e.g. out of memory for the outer state).
+            The factory's own exception is chained (``__cause__``) and quoted.
+    """
+    try:
+        result = factory(tensors)
+    except Exception as exc:  # noqa: BLE001 - re-raised below, naming the level
+        shapes = [tuple(t.shape) for t in tensors]
+        listed = shapes if len(shapes) <= 4 else [*shapes[:4], f"... {len(shapes) - 4} more"]
+        kind = TypeError if isinstance(exc, TypeError) else ValueError if isinstance(exc, ValueError) else RuntimeError
+        raise kind(
+            f"{_level_name(period, group_size)}: the factory {factory!r} raised {type(exc).__name__}: {exc} when "
+            f"building the outer optimizer over the level's {len(tensors)} fp32 anchor tensor(s) of shapes "
+            f"{listed} on {sorted({str(t.device) for t in tensors})}. The factory must accept any number of "
+            "tensors of any shape (at construction it was only probed on one one-element tensor), e.g. "
+            "lambda tensors: torch.optim.SGD(tensors, lr=0.7, momentum=0.9, nesterov=True); if the outer state does "
+            'not fit in memory, pass outer_state_device="cpu" or put the outer optimizer on fewer levels.'
+        ) from exc
+    return _check_factory_result(result, period, factory, tensors, group_size)
 
 
 def _simple(value: object) -> object:
@@ -201,7 +243,9 @@ def _simple(value: object) -> object:
     return type(value).__qualname__
 
 
-def probe_factory(period: int, factory: OuterFactory) -> tuple[str, dict[str, object]] | None:
+def probe_factory(
+    period: int, factory: OuterFactory, group_size: int | None = None
+) -> tuple[str, dict[str, object]] | None:
     """Call ``factory`` on one small fp32 tensor; check that it returns a ``torch.optim.Optimizer`` over it.
 
     Run at construction, so that a factory returning something else, or an optimizer over other tensors
@@ -219,13 +263,13 @@ def probe_factory(period: int, factory: OuterFactory) -> tuple[str, dict[str, ob
         result = factory(probe)
     except Exception:  # noqa: BLE001 - the real tensors decide, at take()
         return None
-    optimizer = _check_factory_result(result, period, factory, probe)
-    _check_hyperparameters(optimizer, period, factory)
+    optimizer = _check_factory_result(result, period, factory, probe, group_size)
+    _check_hyperparameters(optimizer, _level_name(period, group_size), factory)
     cls = type(optimizer)
     return f"{cls.__module__}.{cls.__qualname__}", {k: _simple(v) for k, v in sorted(optimizer.defaults.items())}
 
 
-def _check_hyperparameters(optimizer: torch.optim.Optimizer, period: int, factory: OuterFactory) -> None:
+def _check_hyperparameters(optimizer: torch.optim.Optimizer, name: str, factory: OuterFactory) -> None:
     """Raise ``ValueError`` for a non-finite hyperparameter, or ``maximize=True`` (steps away from the mean)."""
     for key, value in optimizer.defaults.items():
         values = value if isinstance(value, (tuple, list)) else (value,)
@@ -236,13 +280,13 @@ def _check_hyperparameters(optimizer: torch.optim.Optimizer, period: int, factor
                 finite = not isinstance(v, float) or math.isfinite(v)
             if not finite:
                 raise ValueError(
-                    f"outer_optimizers[{period}] ({factory!r}) builds {type(optimizer).__name__} with {key}={value!r}: "
+                    f"{name}: the factory {factory!r} builds {type(optimizer).__name__} with {key}={value!r}: "
                     "every hyperparameter of an outer optimizer must be finite (a NaN or infinite one makes every "
                     "anchor non-finite at the first round); DiLoCo uses lr=0.7, momentum=0.9."
                 )
     if optimizer.defaults.get("maximize") is True:
         raise ValueError(
-            f"outer_optimizers[{period}] ({factory!r}) builds {type(optimizer).__name__} with maximize=True: the "
+            f"{name}: the factory {factory!r} builds {type(optimizer).__name__} with maximize=True: the "
             "pseudo-gradient is anchor - mean (torchft's sign), so maximizing would step the anchors away from the "
             "mean at every round. Leave maximize=False."
         )
@@ -293,8 +337,12 @@ class OuterLevel:
     :meth:`step` allocates one fp32 pseudo-gradient per tensor for the duration of the step.
     """
 
-    def __init__(self, period: int, factory: OuterFactory, device: torch.device | None) -> None:
+    def __init__(
+        self, period: int, factory: OuterFactory, device: torch.device | None, group_size: int | None = None
+    ) -> None:
         self.period = period
+        self.group_size = group_size
+        """The level's group size, in ranks, for error messages (``None``: not known)."""
         self.factory = factory
         self.device = device
         self.anchors: list[torch.Tensor] | None = None
@@ -306,11 +354,15 @@ class OuterLevel:
 
     # -- anchors -----------------------------------------------------------------------------------
     def take(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Anchor = an fp32 copy of each tensor; build a fresh outer optimizer over the anchors."""
+        """Anchor = an fp32 copy of each tensor; build a fresh outer optimizer over the anchors.
+
+        Raises:
+            TypeError, ValueError, RuntimeError: from :func:`build_outer_optimizer`, naming the level.
+        """
         anchors = [
             t.detach().to(device=self.device or t.device, dtype=torch.float32, copy=True) for t in tensors
         ]
-        optimizer = _check_factory_result(self.factory(anchors), self.period, self.factory, anchors)
+        optimizer = build_outer_optimizer(self.period, self.group_size, self.factory, anchors)
         self.anchors, self.optimizer, self.synced = anchors, optimizer, False
 
     @torch.no_grad()
@@ -382,8 +434,9 @@ class OuterLevel:
         """Validate one level's saved state; return ``(anchors, optimizer state dict, synced)``. Changes nothing.
 
         Raises:
-            ValueError: naming the period and the mismatch, for a malformed entry, or anchors whose number
-                or shapes differ from the current ones (when this rank holds anchors already).
+            ValueError: naming the period and the mismatch, for a malformed entry, anchors that are not
+                float32, or anchors whose number or shapes differ from the current ones (this rank's anchors,
+                else ``tensors`` when given).
         """
         where = f"The outer state of period {self.period} in the averaging state dict"
         if not isinstance(state, Mapping) or "anchors" not in state or "optimizer" not in state:
@@ -395,6 +448,13 @@ class OuterLevel:
         anchors = state["anchors"]
         if not isinstance(anchors, (list, tuple)) or not all(torch.is_tensor(a) for a in anchors):
             raise ValueError(f"{where}: 'anchors' must be a list of tensors, got {type(anchors).__name__}.")
+        for i, a in enumerate(anchors):
+            if a.dtype != torch.float32:
+                raise ValueError(
+                    f"{where}: anchor {i} is {str(a.dtype).removeprefix('torch.')}, but anchors are float32 copies of "
+                    "the averaged tensors (as HierarchicalAverager.state_dict() saves them): load a checkpoint this "
+                    "library saved, unchanged; loading would round the anchors or fail at the next round."
+                )
         if not isinstance(state["optimizer"], Mapping):
             raise ValueError(
                 f"{where}: 'optimizer' must be the outer optimizer's state_dict(), got "

@@ -114,6 +114,50 @@ def _scenario_take_fails_on_one_rank(rank: int) -> dict:
     return out
 
 
+def _scenario_factory_fails_on_real_tensors(rank: int) -> dict:
+    """Factories that pass the one-element probe at construction but fail on the level's real anchors."""
+
+    class _LargeTensors(ValueError):
+        pass
+
+    def small_only(tensors):  # raises inside its constructor for anything larger than the probe
+        if any(t.numel() > 1 for t in tensors):
+            raise _LargeTensors(f"tensor of {max(t.numel() for t in tensors)} elements")
+        return torch.optim.SGD(tensors, lr=0.7)
+
+    def copies_of_large(tensors):  # over the probe itself, but over copies of the real anchors
+        return torch.optim.SGD(tensors if tensors[0].numel() == 1 else [t.clone() for t in tensors], lr=0.7)
+
+    out = {
+        "raises at construction": _outcome(lambda: _wrap(_model(rank), outer_optimizers={4: small_only})),
+        "raises at level 2": _outcome(lambda: _wrap(_model(rank), outer_optimizers={2: small_only})),
+        "other tensors at construction": _outcome(lambda: _wrap(_model(rank), outer_optimizers={4: copies_of_large})),
+    }
+    params = _model(rank)
+    opt = _wrap(params, warmup_steps=2, outer_optimizers={4: small_only})
+    out["raises after the warm-up"] = _outcome(lambda: _train(params, opt, rank, 0, 2))
+    out["step after the warm-up"] = opt.averager.step
+    # A checkpoint without anchors, past the warm-up: the anchors are taken at the next step, where the
+    # factory fails on rank 1 only. Every rank raises there, not a hang at the next round.
+    plain_params = _model(rank)
+    plain = _wrap(plain_params)
+    _train(plain_params, plain, rank, 0, 3)
+    failing = {"on": False}
+
+    def fails_later_on_rank_1(tensors):
+        if failing["on"] and rank == 1:
+            raise RuntimeError("out of memory allocating the outer state")
+        return torch.optim.SGD(tensors, lr=0.7, momentum=0.9, nesterov=True)
+
+    params = _model(rank)
+    resumed = _wrap(params, outer_optimizers={4: fails_later_on_rank_1})
+    resumed.load_state_dict(copy.deepcopy(plain.state_dict()))
+    failing["on"] = True
+    out["raises at the step after a load"] = _outcome(lambda: _train(params, resumed, rank, 3, 5))
+    out["anchors after the load"] = resumed.averager.has_anchors
+    return out
+
+
 def _scenario_load_halfway(rank: int) -> dict:
     """A state dict whose outer state the outer optimizer rejects: an error, and nothing changed."""
     from hieravg_optim import nesterov_outer
@@ -333,6 +377,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
             "factories": _scenario_factories,
             "some ranks": _scenario_anchors_on_some_ranks,
             "take fails": _scenario_take_fails_on_one_rank,
+            "factory fails": _scenario_factory_fails_on_real_tensors,
             "load": _scenario_load_halfway,
             "memory": _scenario_memory,
             "held": _scenario_held,
@@ -383,19 +428,66 @@ def test_anchors_taken_on_some_ranks_only_raise_on_every_rank(results):
         assert "timed out" not in message and "Timeout" not in message, (rank, message)
 
 
+_LEVEL_4 = re.escape("outer_optimizers[4] (the level of period 4, group size 4): the factory ")
+_FIX = re.escape("The factory must accept any number of tensors of any shape")
+
+
 def test_anchors_failing_on_one_rank_raise_on_every_rank(results):
     for rank, res in enumerate(results):
         for when in ("at construction", "after the warm-up"):
             kind, message = res["take fails"][when]
             if rank == 2:
-                assert (kind, message) == ("RuntimeError", "out of memory allocating the outer state"), (when, message)
+                assert kind == "RuntimeError" and re.match(
+                    _LEVEL_4 + r".* raised RuntimeError: out of memory allocating the outer state when building the "
+                    r"outer optimizer over the level's 2 fp32 anchor tensor\(s\) of shapes \[\(3,\), \(2, 2\)\]",
+                    message,
+                ), (when, message)
+                assert 'outer_state_device="cpu"' in message, message
             else:
                 assert kind == "RuntimeError" and re.search(
-                    r"Rank 2 failed while checking taking the anchors of the outer optimizers: RuntimeError: out of "
-                    r"memory allocating the outer state",
+                    r"Rank 2 failed while checking taking the anchors of the outer optimizers: RuntimeError: "
+                    + _LEVEL_4
+                    + r".* raised RuntimeError: out of memory allocating the outer state",
                     message,
                 ), (rank, when, message)
         assert res["take fails"]["anchors"] is (rank != 2), rank
+
+
+def test_factory_failing_on_the_real_anchors_names_the_level_on_every_rank(results):
+    for rank, res in enumerate(results):
+        r = res["factory fails"]
+        for when in ("raises at construction", "raises after the warm-up"):
+            kind, message = r[when]
+            # The factory raised on every rank: each raises its own error, of the factory's kind, naming the level.
+            assert kind == "ValueError" and re.match(
+                _LEVEL_4 + r".* raised _LargeTensors: tensor of 4 elements when building the outer optimizer over the "
+                r"level's 2 fp32 anchor tensor\(s\) of shapes \[\(3,\), \(2, 2\)\] on \['cpu'\]\. " + _FIX,
+                message,
+            ), (rank, when, message)
+        assert r["step after the warm-up"] == 1, (rank, r)  # the count did not pass the failed end of the warm-up
+        kind, message = r["raises at level 2"]
+        assert kind == "ValueError" and message.startswith(
+            "outer_optimizers[2] (the level of period 2, group size 2): the factory "
+        ), (rank, message)
+        kind, message = r["other tensors at construction"]
+        assert kind == "TypeError" and re.match(
+            _LEVEL_4 + r".* built an optimizer over 2 tensor\(s\) \(2 of them not among those it was given\), but "
+            r"the factory must build the optimizer over exactly the 2 tensor\(s\) it is given",
+            message,
+        ), (rank, message)
+        kind, message = r["raises at the step after a load"]
+        if rank == 1:
+            assert kind == "RuntimeError" and re.match(_LEVEL_4 + r".* raised RuntimeError: out of memory", message), (
+                rank,
+                message,
+            )
+        else:
+            assert kind == "RuntimeError" and re.match(
+                r"Rank 1 failed while checking taking the anchors of the outer optimizers: RuntimeError: " + _LEVEL_4,
+                message,
+            ), (rank, message)
+        assert "Timeout" not in message and "timed out" not in message, (rank, message)
+        assert r["anchors after the load"] is (rank != 1), (rank, r)
 
 
 def test_rejected_outer_state_changes_nothing_and_a_load_keeps_the_outer_optimizers(results):

@@ -19,6 +19,14 @@ replicas differ until they average. The section's ``"outer_optimizer"`` steps, p
   equals the uninterrupted one (1e-6), each rank restores its own anchors from its own file. One
   rank's file missing: an error on every rank. A checkpoint saved without outer optimizers: a
   warning, fresh anchors at the loaded weights, the replicas identical after the next round.
+* fp16 (``"fp16": {"enabled": true}``, DeepSpeed's loss-scaled ZeRO-1/2 optimizer; the CPU capability
+  override of tests/test_deepspeed_fp16.py, in a spawn of its own): outer SGD(lr=1) equals plain
+  averaging (ZeRO-1 and ZeRO-2, within 1e-6, as above), and Nesterov on ZeRO-2 matches the
+  ``torch.optim.SGD`` reference from the fp16-rounded weights the masters start at (1e-6), no step
+  skipped.
+* A checkpoint whose per-rank outer state does not fit the rank's masters (anchors in bf16, one
+  element short, one anchor fewer), loaded during a warm-up: a ``ValueError`` at load naming the
+  checkpoint and the file on that rank, a ``RuntimeError`` naming it on the others.
 * Bad configs: ``ValueError`` naming the key on every rank, before any engine exists; a section
   whose outer optimizer differs between ranks is a ``RuntimeError`` on every rank.
 * ``ds_configs/zero2_bf16_diloco.json`` as shipped trains with its two rounds.
@@ -72,6 +80,9 @@ def _config(stage, prec, section=None):
     }
     if prec == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if prec == "fp16":
+        # A loss scale of 2**8 (not DeepSpeed's 2**16): the tiny model's first steps do not overflow.
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if section is not None:
         cfg["hierarchical_averaging"] = section
     return cfg
@@ -101,7 +112,7 @@ def _step(engine, rank, index):
     g = torch.Generator().manual_seed(1000 * rank + index)
     x = torch.randn(4, 8, generator=g)
     y = torch.randn(4, 4, generator=g)
-    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
     engine.backward((engine(x.to(dtype)).float() - y).pow(2).mean())
     engine.step()
 
@@ -149,6 +160,8 @@ def _sgd1_case(rank, stage, prec):
                 m.to(dtype).float().equal(p) for m, p in zip(masters, out["outer"])
             )
             metrics = state.metrics()[PERIOD]
+            out["kind"] = state.kind
+            out["skipped_steps"] = engine.skipped_steps
             out["pseudo_grad_norm"] = metrics["pseudo_grad_norm"]
             out["outer_bytes"] = metrics["outer_bytes"]
     out["final_diff_to_plain"] = _max_diff(out.pop("plain"), out.pop("outer"))
@@ -163,7 +176,9 @@ def _nesterov_case(rank, stage, prec, warmup, device):
     section = _section(NESTEROV, warmup=warmup, outer_state_device=device, synchronous_warmup=bool(warmup))
     # Replica 1 starts elsewhere: the anchors must be taken after the broadcast of replica 0's weights.
     engine, state = _build(stage, prec, section, shift=float(rank // S))
-    anchors = None if warmup else [p.detach().clone() for p in _model().parameters()]  # replica 0's weights
+    # Replica 0's weights; in fp16 as DeepSpeed's masters start: the fp16 module weights, in fp32.
+    low = torch.float16 if prec == "fp16" else torch.float32
+    anchors = None if warmup else [p.detach().to(low).float() for p in _model().parameters()]
     rounds = _record_rounds(engine, state)
     first = -(-warmup // PERIOD) * PERIOD  # the first outer round: the first multiple of the period >= warmup
     errors, norms, identical = [], [], []
@@ -191,6 +206,9 @@ def _nesterov_case(rank, stage, prec, warmup, device):
             identical.append(all(all(m.equal(o) for m, o in zip(module, other)) for other in _gather(module)))
     own = [torch.as_tensor(t) for t in state.averager.state_dict()["outer"][PERIOD]["anchors"]]
     return {
+        "kind": state.kind,
+        "skipped_steps": engine.skipped_steps,
+        "module_dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
         "rounds": len(errors),
         "errors": errors,
         "identical": identical,
@@ -315,6 +333,57 @@ def _resume_edges_case(rank, folder):
     return out
 
 
+def _load_mismatch_case(rank, folder):
+    """A checkpoint whose per-rank outer state does not fit this rank's masters, loaded during a warm-up (no anchors
+    held yet): an error at load time on every rank, naming the checkpoint; the failing rank's averaging state unchanged."""
+    import torch
+    import torch.distributed as dist
+
+    from hieravg_optim.deepspeed import outer_state_file
+
+    engine, _ = _build(1, "fp32", _section(NESTEROV))
+    for step in range(3):
+        _step(engine, rank, step)
+
+    def dtype(outer):  # a foreign file: anchors in bfloat16
+        outer["anchors"] = [a.to(torch.bfloat16) for a in outer["anchors"]]
+
+    def shape(outer):  # anchor 0 (and its momentum) one element short
+        outer["anchors"][0] = outer["anchors"][0][:-1].clone()
+        outer["optimizer"]["state"][0]["momentum_buffer"] = outer["optimizer"]["state"][0]["momentum_buffer"][:-1]
+
+    def count(outer):  # the last anchor gone, and the outer optimizer state over the others (consistent in itself)
+        last = len(outer["anchors"]) - 1
+        outer["anchors"].pop()
+        outer["optimizer"]["state"].pop(last)
+        outer["optimizer"]["param_groups"][-1]["params"].remove(last)
+
+    # (tag, the rank whose file is changed, the change)
+    cases = [("dtype", 3, dtype), ("shape", 1, shape), ("count", 0, count)]
+    for tag, _, _ in cases:
+        engine.save_checkpoint(folder, tag=tag)
+    dist.barrier()
+    for tag, bad_rank, change in cases:
+        if rank == bad_rank:
+            path = outer_state_file(os.path.join(folder, f"replica_{rank // S}", tag), rank % S)
+            saved = torch.load(path, weights_only=True)
+            change(saved["outer"][PERIOD])
+            torch.save(saved, path)
+    dist.barrier()
+    out = {}
+    for tag, _, _ in cases:
+        # A fresh engine per case: a load that failed on another rank leaves this rank's state loaded.
+        resumed, state = _build(1, "fp32", _section(NESTEROV, warmup=4))
+        out["masters"] = [tuple(t.shape) for t in state.tensors_to_average()]
+        try:
+            resumed.load_checkpoint(folder, tag=tag)
+            out[tag] = "no error"
+        except Exception as err:  # noqa: BLE001
+            out[tag] = f"{type(err).__name__}: {err}"
+        out[f"{tag} unchanged"] = state.step == 0 and not state.averager.has_anchors
+    return out
+
+
 def _bad_config_case(rank):
     """Bad outer configs, the same on every rank or on one rank only: an error on every rank, never a hang."""
     import torch
@@ -421,11 +490,35 @@ def _all_scenarios(rank, world_size, folder):
     scenarios["resume_zero2_bf16"] = lambda r: _resume_case(r, 2, "bf16", os.path.join(folder, "z2"))
     scenarios["resume_zero3_fp32"] = lambda r: _resume_case(r, 3, "fp32", os.path.join(folder, "z3"))
     scenarios["resume_edges_zero1_fp32"] = lambda r: _resume_edges_case(r, os.path.join(folder, "edges"))
+    scenarios["load_mismatch_zero1_fp32"] = lambda r: _load_mismatch_case(r, os.path.join(folder, "mismatch"))
     scenarios["shipped_config"] = _shipped_config_case
     scenarios["buffers_zero1_fp32"] = _buffers_case
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return run_scenarios(scenarios, rank)
+
+
+FP16_STAGES = (1, 2)
+
+
+def _fp16_scenarios(rank, world_size):
+    """fp16 engines (DeepSpeed's loss-scaled ZeRO-1/2 optimizer), in their own spawn: the CPU capability override."""
+    import torch
+
+    from tests.test_deepspeed_fp16 import _allow_fp16_on_cpu
+
+    torch.set_num_threads(1)
+    _allow_fp16_on_cpu()
+    scenarios = {f"sgd1_zero{stage}_fp16": lambda r, s=stage: _sgd1_case(r, s, "fp16") for stage in FP16_STAGES}
+    scenarios["nesterov_zero2_fp16"] = lambda r: _nesterov_case(r, 2, "fp16", 0, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_scenarios(scenarios, rank)
+
+
+@pytest.fixture(scope="module")
+def fp16_results():
+    return run_distributed(_fp16_scenarios, WORLD, timeout=300, pg_timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -448,6 +541,28 @@ def test_outer_sgd_lr1_equals_plain_averaging(results, stage, prec):
         assert r["final_diff_to_plain"] <= 1e-6, (rank, r["final_diff_to_plain"])
         assert r["module_is_masters_in_dtype"], rank
         assert r["pseudo_grad_norm"] > 0 and r["outer_bytes"] > 0, (rank, r)
+
+
+@pytest.mark.parametrize("stage", FP16_STAGES, ids=[f"zero{s}_fp16" for s in FP16_STAGES])
+def test_outer_sgd_lr1_equals_plain_averaging_fp16(fp16_results, stage):
+    for rank, per_rank in enumerate(fp16_results):
+        r = per_rank[f"sgd1_zero{stage}_fp16"]
+        # DeepSpeed's fp16 ZeRO optimizer, its fp32 masters averaged, no step skipped (the rounds all ran).
+        assert r["kind"] == "zero12" and r["skipped_steps"] == 0, (rank, r)
+        assert r["rounds"] == 3, (rank, r)
+        assert all(r["replicas_differed"]), f"rank {rank}: replicas equal before a round; the test is vacuous"
+        assert max(r["round_errors"]) <= 1e-6, (rank, r["round_errors"])
+        assert r["final_diff_to_plain"] <= 1e-6, (rank, r["final_diff_to_plain"])
+        assert r["module_is_masters_in_dtype"], rank
+        assert r["pseudo_grad_norm"] > 0 and r["outer_bytes"] > 0, (rank, r)
+
+
+def test_nesterov_matches_torch_sgd_reference_fp16(fp16_results):
+    test_nesterov_matches_torch_sgd_reference(fp16_results, "nesterov_zero2_fp16")
+    for rank, per_rank in enumerate(fp16_results):
+        r = per_rank["nesterov_zero2_fp16"]
+        assert r["kind"] == "zero12" and r["skipped_steps"] == 0, (rank, r)
+        assert r["module_dtypes"] == ["torch.float16"], (rank, r)
 
 
 @pytest.mark.parametrize("case", ["nesterov_zero3_fp32", "nesterov_zero1_bf16_warmup"])
@@ -506,6 +621,35 @@ def test_resume_without_outer_state_or_with_a_file_missing(results):
             assert r["missing_file"].startswith("FileNotFoundError") and "dp_rank_1.pt is missing" in r["missing_file"]
         else:
             assert r["missing_file"].startswith("RuntimeError: Rank 3 failed"), (rank, r["missing_file"])
+
+
+def test_outer_state_not_fitting_the_masters_raises_at_load_on_every_rank(results):
+    import re
+
+    expected = {
+        "dtype": (3, r"anchor 0 is bfloat16, but anchors are float32 copies of the averaged tensors"),
+        "shape": (1, r"anchor 0 has shape \((\d+),\), but this rank's tensor 0 has shape \((\d+),\)"),
+        "count": (0, r"holds 1 anchors, but this rank averages 2 tensors"),
+    }
+    for rank, per_rank in enumerate(results):
+        r = per_rank["load_mismatch_zero1_fp32"]
+        assert len(r["masters"]) == 2, (rank, r)  # ZeRO-1: one flat fp32 partition per parameter group
+        for tag, (bad_rank, pattern) in expected.items():
+            message = r[tag]
+            if rank != bad_rank:
+                assert message.startswith(f"RuntimeError: Rank {bad_rank} failed"), (rank, tag, message)
+            else:
+                assert message.startswith("ValueError: Loading the averaging state of the checkpoint "), message
+                assert f"replica_{rank // S}/{tag}/" in message, message
+                assert f"hierarchical_averaging_outer_dp_rank_{rank % S}.pt" in message, message
+                assert "The outer state of period 2 in the averaging state dict" in message, message
+                assert "Resume with the model, trainable parameters, ZeRO stage and ranks_per_replica" in message
+                # The failing rank's averaging state is unchanged (the others loaded theirs, then raised).
+                assert r[f"{tag} unchanged"], (rank, tag, r)
+            found = re.search(pattern, message)
+            assert found, (rank, tag, message)
+            if tag == "shape":
+                assert int(found.group(1)) + 1 == int(found.group(2)) == r["masters"][0][0], (rank, message)
 
 
 def test_bad_configs_raise_on_every_rank(results):

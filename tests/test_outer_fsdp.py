@@ -9,6 +9,9 @@ some FSDP2 local shards are uneven and some empty.
 * Outer Nesterov (lr 0.7, momentum 0.9) over 3 rounds equals ``torch.optim.SGD`` run in the test
   on the replicas' full (gathered) parameters; the replicas are identical after every round.
 * Each rank's anchors have the shapes of its local shards.
+* A checkpoint whose anchors are not float32, or fewer than the tensors averaged (saved with a
+  parameter frozen), is a ``ValueError`` at load time, found in DCP's metadata before its load, on
+  every rank; nothing is changed.
 * A DCP resume (outer momentum state included, saved while the replicas differ) equals the
   uninterrupted run; the anchors of the two shards of a replica are both in the checkpoint.
 """
@@ -199,12 +202,57 @@ def _resume(rank: int, folder: str) -> dict:
     return out
 
 
+def _load_mismatch(rank: int, folder: str) -> dict:
+    """FSDP2 checkpoints whose outer state does not fit the loading optimizer's shards, loaded during a warm-up (no
+    anchors held yet): a ValueError at load time, from DCP's metadata before its load, on every rank."""
+    from hieravg_optim import nesterov_outer
+    from hieravg_optim.fsdp import init_replicate_shard_mesh, load_checkpoint, save_checkpoint
+
+    mesh = init_replicate_shard_mesh(SHARDS, "cpu")
+    out = {}
+    for case in ("dtype", "count"):
+        model = _shard("fsdp2", mesh)
+        if case == "count":  # saved with the last bias frozen: one anchor fewer than the loading run averages
+            list(model.parameters())[-1].requires_grad_(False)
+        model, opt = _build_with(model, mesh, nesterov_outer(lr=0.7, momentum=0.9))
+        for step in range(4):  # rounds at counts 0 and 3
+            _train_step(model, opt, rank, step)
+        if case == "dtype":  # a foreign checkpoint: the anchors in bfloat16
+            outer = opt.averager._outer[-1]
+            outer.anchors[:] = [a.to(torch.bfloat16) for a in outer.anchors]
+        path = os.path.join(folder, f"mismatch_{case}")
+        save_checkpoint(path, model, opt)
+        model, opt = _build("fsdp2", mesh, nesterov_outer(lr=0.7, momentum=0.9), warmup_steps=6)
+        before = _flat(_full_params(model))
+        try:
+            load_checkpoint(path, model, opt)
+            out[case] = "no error"
+        except Exception as err:  # noqa: BLE001
+            out[case] = f"{type(err).__name__}: {err}"
+        out[f"{case} unchanged"] = (
+            opt.averager.step == 0 and not opt.averager.has_anchors and torch.equal(before, _flat(_full_params(model)))
+        )
+        out[f"{case} tensors"] = len(opt.tensors_to_average())
+    return out
+
+
+def _build_with(model, mesh, outer):
+    from hieravg_optim.fsdp import FSDPHierarchicalAveragingOptimizer
+
+    opt = FSDPHierarchicalAveragingOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1), model, mesh, LEVELS,
+        outer_optimizers={PERIOD: outer},
+    )  # fmt: skip
+    return model, opt
+
+
 def _scenarios(rank: int, world_size: int, folder: str) -> dict:
     return run_scenarios(
         {
             "plain": _plain_equivalence,
             "nesterov": _nesterov_reference,
             "resume": lambda r: _resume(r, folder),
+            "load mismatch": lambda r: _load_mismatch(r, folder),
         },
         rank,
     )
@@ -272,3 +320,21 @@ def test_dcp_resume_with_outer_state_equals_uninterrupted_run(results):
     for case in results[0]["resume"]:
         if not case.endswith("_1"):
             assert results[0]["resume"][case]["anchors"] != results[1]["resume"][case]["anchors"], case
+
+
+def test_outer_state_not_fitting_the_shards_raises_at_load_before_dcp_loads(results):
+    for rank, r in enumerate(results):
+        c = r["load mismatch"]
+        # Every rank's own check failed (the whole checkpoint is foreign): each raises its own ValueError.
+        assert c["dtype"].startswith("ValueError: The checkpoint at ") and "/mismatch_dtype/replica_" in c["dtype"], c
+        assert f"holds the anchor '{PERIOD}/anchor/0' in torch.bfloat16, but anchors are float32" in c["dtype"], c
+        assert c["count"].startswith("ValueError: The checkpoint at ") and "/mismatch_count/replica_" in c["count"], c
+        assert f"holds 3 anchors for the outer optimizer of period {PERIOD}, but this rank averages 4 tensors" in c[
+            "count"
+        ], c
+        assert c["count tensors"] == 4, c
+        assert c["dtype"].endswith("load a checkpoint save_checkpoint wrote, unchanged."), c
+        assert c["count"].endswith("with the same parameters trainable."), c
+        for case in ("dtype", "count"):
+            # Found in the metadata, before DCP's load: nothing changed, parameters included.
+            assert c[f"{case} unchanged"], (rank, case, c)

@@ -130,7 +130,16 @@ def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
                 )
                 saved = {"step": engine.global_steps}
             try:
-                state.load_state_dict(_with_outer_state(state, saved, os.path.dirname(load_path)))
+                try:
+                    state.load_state_dict(_with_outer_state(state, saved, os.path.dirname(load_path)))
+                except ValueError as exc:
+                    # Local: raised on every rank by the agreement below, before any other collective.
+                    raise ValueError(
+                        f"Loading the averaging state of the checkpoint {load_path} (this rank's outer optimizer state "
+                        f"in {outer_state_file(os.path.dirname(load_path), state.mpu.get_data_parallel_rank())}): "
+                        f"{exc} Resume with the model, trainable parameters, ZeRO stage and ranks_per_replica that "
+                        "saved it. The averaging state is unchanged (DeepSpeed has loaded the engine's weights)."
+                    ) from exc
                 if state.averager.needs_anchors:
                     # A checkpoint without outer state (saved without outer optimizers), past the warm-up: anchors
                     # at the loaded weights; the first round averages them over its group.

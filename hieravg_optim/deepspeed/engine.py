@@ -379,8 +379,16 @@ class DeepSpeedAveraging:
         return self.averager.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; every rank checks the count at the next step."""
-        self.averager.load_state_dict(state)
+        """Restore :meth:`state_dict`'s output; every rank checks the count at the next step.
+
+        Saved anchors are checked against this rank's :meth:`tensors_to_average` (number, shapes, float32),
+        also during a warm-up, before this rank holds anchors; local, no collective.
+
+        Raises:
+            ValueError: from :meth:`HierarchicalAverager.load_state_dict
+                <hieravg_optim.HierarchicalAverager.load_state_dict>`; nothing is changed then.
+        """
+        self.averager.load_state_dict(state, self.tensors_to_average())
 
 
 def get_averaging(engine: Any) -> DeepSpeedAveraging | None:

@@ -224,7 +224,13 @@ def _load_replica(
     averaging = dict(state["hierarchical_averaging"])
     if outer_template is not None:
         averaging[_OUTER] = _outer_from_checkpoint(state[_OUTER], optimizer)
-    optimizer.averager.load_state_dict(averaging)
+    try:
+        optimizer.averager.load_state_dict(averaging, optimizer.tensors_to_average())
+    except ValueError as exc:  # local; raised on every rank by load_checkpoint's agreement
+        raise ValueError(
+            f"Loading the averaging state of the checkpoint at {folder}: {exc} Resume with the model, mesh shape and "
+            "trainable parameters that saved it."
+        ) from exc
 
 
 # -- outer optimizers: anchors and state ------------------------------------------------------------------------------
@@ -308,7 +314,8 @@ def _outer_load_template(
 
     Raises:
         ValueError: if the checkpoint has outer state but none for this rank's shard index (saved with
-            another number of shards per replica).
+            another number of shards per replica), or its anchors differ from this rank's tensors in number,
+            full shape or dtype (anchors are float32). Local: read from the metadata, before DCP's load.
     """
     prefix = f"{_OUTER}.{_DTENSORS}."
     keys = metadata.state_dict_metadata
@@ -322,6 +329,7 @@ def _outer_load_template(
     layouts = optimizer.shard_layouts()
     local = optimizer.tensors_to_average()
     dtensors: dict[str, DTensor] = {}
+    anchors: dict[str, list[int]] = {}
     for fqn, md in keys.items():
         if not fqn.startswith(prefix):
             continue
@@ -336,10 +344,25 @@ def _outer_load_template(
                 + (f", tensor {index} of full shape {tuple(layouts[index].shape)}" if index < len(layouts) else "")
                 + ": load the checkpoint of the same model and sharding, with the same parameters trainable."
             )
+        if key.split("/")[1] == "anchor":
+            anchors.setdefault(key.split("/")[0], []).append(index)
+            if md.properties.dtype != torch.float32:
+                raise ValueError(
+                    f"The checkpoint at {folder} holds the anchor {key!r} in {md.properties.dtype}, but anchors are "
+                    "float32 copies of the averaged shards (as save_checkpoint writes them): load a checkpoint "
+                    "save_checkpoint wrote, unchanged."
+                )
         # Loaded where the anchors live (outer_state_device="cpu": on the CPU, no copy on the accelerator).
         device = optimizer.averager.outer_state_device or local[index].device
         template = torch.zeros(local[index].shape, dtype=md.properties.dtype, device=device)
         dtensors[key] = _as_dtensor(template, layouts[index])
+    for period, indexes in anchors.items():
+        if sorted(indexes) != list(range(len(layouts))):
+            raise ValueError(
+                f"The checkpoint at {folder} holds {len(indexes)} anchors for the outer optimizer of period {period}, "
+                f"but this rank averages {len(layouts)} tensors: load the checkpoint of the same model and sharding, "
+                "with the same parameters trainable."
+            )
     return {_DTENSORS: dtensors, mine: b""}
 
 
