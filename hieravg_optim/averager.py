@@ -226,6 +226,9 @@ class HierarchicalAverager:
         self.step = 0
         """The averaging step count: optimizer steps taken so far (``HierarchicalModelAverager.step``)."""
         self.pool = BucketPool()
+        self.replaced_at_step: int | None = None
+        """The count of the last round that replaced this rank's tensors by the finite replicas' mean
+        (``nonfinite="skip_replica"``, this rank's replica non-finite); ``None`` if none has. Local."""
         self._metrics = [
             LevelMetrics(period=lg.level.period, group_size=lg.level.group_size, subgroup_size=lg.size)
             for lg in self.level_groups
@@ -474,8 +477,15 @@ class HierarchicalAverager:
             f"the averaging round at step {self.step} (period {lg.level.period}, group size {lg.level.group_size})"
         )
         with torch.no_grad(), named_collective(round_name, lg.ranks, timeout_s=self._timeout_s(lg)):
+            # Anchors not yet averaged over the group are local copies (taken at the end of the warm-up, or at
+            # construction) and enter this round's mean of anchors: a non-finite one is checked as the tensors are.
+            unsynced = outer is not None and not outer.synced
             nonfinite = (
-                None if self.config.nonfinite == "ignore" else replica_any(has_nonfinite(tensors), self._replica_group)
+                None
+                if self.config.nonfinite == "ignore"
+                else replica_any(
+                    has_nonfinite(tensors) or (unsynced and has_nonfinite(outer.anchors)), self._replica_group
+                )
             )
             bad = check_agreement(
                 tensors,
@@ -492,7 +502,7 @@ class HierarchicalAverager:
                 error=error,
                 nonfinite=nonfinite,
             )
-            divisor = self._skip_nonfinite(lg, bad, tensors, round_name) if bad else None
+            divisor = self._skip_nonfinite(lg, bad, tensors, round_name, anchors=unsynced) if bad else None
             payload = average_tensors_(
                 tensors,
                 lg.group,
@@ -644,17 +654,21 @@ class HierarchicalAverager:
         return None if timeout is None else timeout.total_seconds()
 
     def _skip_nonfinite(
-        self, lg: LevelGroup, bad: list[int], tensors: Sequence[torch.Tensor], round_name: str
+        self, lg: LevelGroup, bad: list[int], tensors: Sequence[torch.Tensor], round_name: str, *, anchors: bool
     ) -> int:
         """Apply :attr:`AveragingConfig.nonfinite` to the ranks ``bad`` of ``lg`` whose tensors are non-finite.
 
         Every rank of the group gets the same ``bad`` (from :func:`check_agreement`), so every rank raises,
         or every rank goes on to the same collective. Returns the number of finite replicas to divide by;
-        a non-finite rank's tensors are zeroed here, so that it adds nothing to the sum.
+        a non-finite rank's tensors are zeroed here, so that it adds nothing to the sum, and
+        :attr:`replaced_at_step` is set there. ``anchors``: the round also checked the level's anchors
+        (not yet averaged over the group), named in the messages.
         """
         rpr = self.config.ranks_per_replica
         replicas = sorted({dist.get_group_rank(self.process_group, r) // rpr for r in bad})
         named = f"rank{'s' if len(bad) > 1 else ''} {bad} (replica{'s' if len(replicas) > 1 else ''} {replicas})"
+        if anchors:
+            named = f"{named} (or in the anchors of the outer optimizer, taken there and not yet averaged)"
         finite = lg.size - len(bad)
         if self.config.nonfinite == "raise" or finite == 0:
             cause = (
@@ -671,6 +685,7 @@ class HierarchicalAverager:
         if dist.get_rank() in bad:
             for t in tensors:
                 t.zero_()
+            self.replaced_at_step = self.step
         if dist.get_rank() == lg.ranks[0]:
             logger.warning(
                 "%s: non-finite values in %s; averaging the %d finite replicas of the group of ranks %s, and giving "

@@ -315,6 +315,80 @@ def test_timeouts_and_nonfinite_policies():
     run_distributed(_run_all, WORLD, timeout=180, pg_timeout=60)
 
 
+
+# -- what a skipped replica carries into the next round ---------------------------------------------
+def _scenario_nan_anchor_is_skipped(rank: int):
+    """A NaN taken into an anchor at the end of the warm-up (no synchronous warm-up), on rank 1, whose tensors the
+    pair round then makes finite: the top level's first round averages the anchors and would spread the NaN to
+    every rank. Rank 1 is skipped there instead: anchors and tensors are the means of ranks 0, 2 and 3."""
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    param = nn.Parameter(torch.full((3,), 3.0 * rank + 1.0))  # 1, 4, 7, 10
+    opt = HierarchicalAveragingOptimizer(
+        torch.optim.SGD([param], lr=0.0), {1: 2, 4: 4}, warmup_steps=3, nonfinite="skip_replica",
+        outer_optimizers={4: lambda anchors: torch.optim.SGD(anchors, lr=0.5)},
+    )  # fmt: skip
+    opt.step()
+    opt.step()  # counts 0, 1: warm-up, no round
+    _poison(rank, [param], {1: float("nan")})
+    opt.step()  # count 2: the anchors are taken: 1, [4, 4, NaN], 7, 10
+    opt.step()  # count 3, pairs: rank 1 gets rank 0's 1; ranks 2 and 3 average to 8.5
+    assert torch.equal(param, torch.full((3,), 1.0 if rank < 2 else 8.5)), (rank, param)
+    param.data.fill_([2.0, 100.0, 8.0, 14.0][rank])  # finite everywhere; rank 1's must not count
+    opt.step()  # count 4, top level with the outer optimizer
+    # Anchors: the mean of 1, 7, 10 is 6; tensors: the mean of 2, 8, 14 is 8; SGD(lr=0.5): 6 - 0.5 (6 - 8) = 7.
+    anchors = opt.state_dict()["hierarchical_averaging"]["outer"][4]["anchors"]
+    assert torch.equal(param, torch.full((3,), 7.0)), (rank, param)
+    assert torch.equal(anchors[0], torch.full((3,), 7.0)), (rank, anchors)
+    assert opt.averager.replaced_at_step == (4 if rank == 1 else None)
+
+
+def _scenario_skipped_replica_state_is_repaired(rank: int):
+    """A NaN gradient on rank 3 reaches SGD's momentum buffer. The top round gives rank 3 the mean of ranks 0, 1
+    and 2 and zeroes the NaN of its momentum buffer, so the next step (a pair round) averages rank 3 in, instead of
+    the buffer making it non-finite, and skipped, at every round from then on."""
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    param = nn.Parameter(torch.full((4,), 2.0 * rank + 2.0))  # 2, 4, 6, 8
+    inner = torch.optim.SGD([param], lr=0.5, momentum=0.5)
+    opt = HierarchicalAveragingOptimizer(inner, LEVELS, nonfinite="skip_replica")
+    param.grad = torch.ones(4)
+    if rank == 3:
+        param.grad[0] = float("nan")
+    opt.step()  # count 0: 1.5, 3.5, 5.5 and [NaN, 7.5, ...]; top level: the mean of ranks 0-2, 3.5
+    assert torch.equal(param, torch.full((4,), 3.5)), (rank, param)
+    buffer = inner.state[param]["momentum_buffer"]
+    assert torch.equal(buffer, torch.tensor([0.0 if rank == 3 else 1.0, 1.0, 1.0, 1.0])), (rank, buffer)
+    param.grad = torch.ones(4)
+    opt.step()  # count 1: buffer 1.5 (rank 3's first element: 1), param 2.75 (3.0); pairs average
+    expected = torch.full((4,), 2.75)
+    if rank >= 2:
+        expected[0] = (2.75 + 3.0) / 2
+    assert torch.equal(param, expected), (rank, param)
+    assert opt.averager.replaced_at_step == (0 if rank == 3 else None)
+    adam_param = nn.Parameter(torch.full((4,), float(rank)))
+    adam = HierarchicalAveragingOptimizer(torch.optim.Adam([adam_param], lr=0.1), LEVELS, nonfinite="skip_replica")
+    for count in range(4):
+        adam_param.grad = torch.ones(4)
+        if rank == 1 and count == 0:
+            adam_param.grad[2] = float("inf")
+        adam.step()
+    state = adam.optimizer.state[adam_param]
+    assert all(bool(torch.isfinite(state[name]).all()) for name in ("exp_avg", "exp_avg_sq")), (rank, state)
+    assert adam.averager.replaced_at_step == (0 if rank == 1 else None)  # skipped once, not at every round
+
+
+def _run_skipped(rank: int, world_size: int) -> dict:
+    return run_scenarios(
+        {"nan_anchor": _scenario_nan_anchor_is_skipped, "inner_state": _scenario_skipped_replica_state_is_repaired},
+        rank,
+    )
+
+
+def test_a_skipped_replica_carries_finite_anchors_and_optimizer_state():
+    run_distributed(_run_skipped, WORLD, timeout=120, pg_timeout=60)
+
+
 # -- local checks ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "30", True])
 def test_bad_collective_timeout(value):
@@ -372,6 +446,24 @@ def test_has_nonfinite():
     assert has_nonfinite([torch.ones(8) for _ in range(50)] + [torch.tensor([inf])] + [torch.ones(8)])
     assert has_nonfinite([torch.nn.Parameter(torch.tensor([nan, 1.0]))])  # requires grad: no graph built
     assert not has_nonfinite([torch.arange(3)])  # integer tensors are never averaged
+
+
+def test_zero_nonfinite_state():
+    from hieravg_optim.inner import zero_nonfinite_state
+
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    inner = torch.optim.Adam([a, b], lr=0.1)
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    inner.step()
+    assert zero_nonfinite_state(inner) == []
+    inner.state[b]["exp_avg_sq"][1] = float("inf")
+    inner.state[a]["exp_avg"][0] = float("nan")
+    step = inner.state[a]["step"].clone()
+    assert zero_nonfinite_state(inner) == ["state[0]['exp_avg']", "state[1]['exp_avg_sq']"]
+    assert torch.equal(inner.state[a]["exp_avg"], torch.tensor([0.0, 0.1, 0.1]))
+    assert torch.equal(inner.state[b]["exp_avg_sq"], torch.tensor([0.001, 0.0], dtype=torch.bfloat16))
+    assert torch.equal(inner.state[a]["step"], step)
 
 
 def test_deepspeed_initialize_keywords_are_checked_before_any_collective():
