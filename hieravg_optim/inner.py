@@ -22,6 +22,7 @@ All of it is local: no collective.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -41,6 +42,7 @@ __all__ = [
     "pop_group_step",
     "split_count",
     "unscale_grads",
+    "repair_skipped_replica_state",
     "zero_nonfinite_state",
 ]
 
@@ -219,6 +221,29 @@ def zero_nonfinite_state(inner: torch.optim.Optimizer) -> list[str]:
                 if torch.is_tensor(value) and (value.is_floating_point() or value.is_complex()) and has_nonfinite([value]):
                     torch.nan_to_num_(value, nan=0.0, posinf=0.0, neginf=0.0)
                     changed.append(f"state[{index.get(id(param), position)}][{name!r}]")
+    return changed
+
+
+def repair_skipped_replica_state(inner: object, count: int) -> list[str]:
+    """:func:`zero_nonfinite_state` on ``inner`` after the round at ``count`` replaced this replica's tensors.
+
+    Logs a warning naming the changed entries through the ``hieravg_optim.optimizer`` logger. A no-op
+    for an ``inner`` that is not a ``torch.optim.Optimizer``. Local, no collective.
+
+    Returns:
+        The entries changed (see :func:`zero_nonfinite_state`).
+    """
+    if not isinstance(inner, torch.optim.Optimizer):
+        return []
+    changed = zero_nonfinite_state(inner)
+    if changed:
+        logging.getLogger(__package__ + ".optimizer").warning(
+            "rank %s: the averaging round at step %d gave this replica the finite replicas' mean "
+            "(nonfinite=\"skip_replica\"); its inner optimizer's state held non-finite values too, set to 0 in %s",
+            torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
+            count,
+            ", ".join(changed),
+        )
     return changed
 
 

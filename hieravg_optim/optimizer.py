@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import raise_on_every_rank
-from .averager import HierarchicalAverager, LevelMetrics, check_log_metrics_every, check_outer, local_tensor, logger
+from .averager import HierarchicalAverager, LevelMetrics, check_log_metrics_every, check_outer, local_tensor
 from .checks import (
     add_checked_param_group,
     check_dtensor_layout,
@@ -36,7 +36,7 @@ from .inner import (
     initialize_state_step,
     inner_step,
     split_count,
-    zero_nonfinite_state,
+    repair_skipped_replica_state,
 )
 from .outer import OuterFactory
 from .schedule import AveragingLevel
@@ -424,15 +424,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         """After a round replaced this replica's tensors (``nonfinite="skip_replica"``): zero the non-finite
         elements of the inner optimizer's state, which the next inner step would write back (see
         :func:`hieravg_optim.inner.zero_nonfinite_state`). Local, no collective."""
-        changed = zero_nonfinite_state(self.optimizer)
-        if changed:
-            logger.warning(
-                "rank %d: the averaging round at step %d gave this replica the finite replicas' mean "
-                '(nonfinite="skip_replica"); the inner optimizer\'s state held non-finite values too, set to 0 in %s',
-                dist.get_rank(),
-                count,
-                ", ".join(changed),
-            )
+        repair_skipped_replica_state(self.optimizer, count)
 
     def _round_error(self) -> BaseException | None:
         """Local checks of an averaging round, raised on every rank of the subgroup by the round's agreement.
