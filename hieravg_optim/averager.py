@@ -514,7 +514,10 @@ class HierarchicalAverager:
                 node=lg.node,
                 check_wire=self.config.nonfinite != "ignore",
                 what=round_name,
+                contribute_zeros=dist.get_rank() in bad,
             )
+            if dist.get_rank() in bad:
+                self.replaced_at_step = self.step
             if outer is not None:
                 if not outer.synced:
                     payload += self._sync_anchors(outer, lg, self._outer_part(tensors), bad, divisor)
@@ -660,8 +663,7 @@ class HierarchicalAverager:
 
         Every rank of the group gets the same ``bad`` (from :func:`check_agreement`), so every rank raises,
         or every rank goes on to the same collective. Returns the number of finite replicas to divide by;
-        a non-finite rank's tensors are zeroed here, so that it adds nothing to the sum, and
-        :attr:`replaced_at_step` is set there. ``anchors``: the round also checked the level's anchors
+        a non-finite rank then adds zeros to the sum (``average_tensors_(contribute_zeros=True)``). ``anchors``: the round also checked the level's anchors
         (not yet averaged over the group), named in the messages.
         """
         rpr = self.config.ranks_per_replica
@@ -682,10 +684,6 @@ class HierarchicalAverager:
                 'the gradients, resume from an earlier checkpoint, or pass nonfinite="skip_replica" to average the '
                 "finite replicas only and give the others that mean."
             )
-        if dist.get_rank() in bad:
-            for t in tensors:
-                t.zero_()
-            self.replaced_at_step = self.step
         if dist.get_rank() == lg.ranks[0]:
             logger.warning(
                 "%s: non-finite values in %s; averaging the %d finite replicas of the group of ranks %s, and giving "
