@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ._handover import hand_over
-from .agreement import agree_across_ranks, check_agreement, has_nonfinite
+from .agreement import agree_across_ranks, check_agreement, has_nonfinite, raise_on_every_rank
 from .averaging import BucketPool, average_tensors_
 from .config import AveragingConfig, is_int, warn_at_caller
 from .faults import named_collective
@@ -377,7 +377,11 @@ class HierarchicalAverager:
         Call it once per optimizer step, after the inner optimizer has stepped.
 
         Args:
-            tensors: Called only when averaging is due; returns the tensors to average in place.
+            tensors: Called only when averaging is due (and at the end of the warm-up, with outer
+                optimizers); returns the tensors to average in place. If it, ``check`` or ``context``
+                raises on some ranks only, every rank of the subgroup (of the process group, at the end
+                of the warm-up) raises, before any averaging collective: those ranks their exception,
+                the others a ``RuntimeError`` naming them.
             check: Called only when averaging is due, before ``tensors()``; returns the error of a
                 local check that failed (or ``None``), raised on every rank of the subgroup by
                 :meth:`average` before any averaging collective.
@@ -390,11 +394,23 @@ class HierarchicalAverager:
         self.verify_step_if_loaded()
         index = self.due_level()
         if index is not None:
-            error = None if check is None else check()
-            extra = None if context is None else context()
-            self.average(index, tensors(), error=error, context=extra)
+            # A callback that raises on some ranks only is raised on every rank of the subgroup by the round's
+            # agreement, instead of those ranks leaving while the others wait in it until the timeout.
+            chosen: Sequence[torch.Tensor] = []
+            extra = None
+            try:
+                error = None if check is None else check()
+                extra = None if context is None else context()
+                chosen = tensors()
+            except Exception as exc:  # noqa: BLE001 - raised below, on every rank of the subgroup
+                error, extra, chosen = exc, None, []
+            self.average(index, chosen, error=error, context=extra)
         if self.has_outer and self.step == self.config.warmup_steps - 1:
-            self.take_anchors(tensors(), agree=True)  # the end of the warm-up
+            try:
+                chosen = tensors()
+            except Exception as exc:  # noqa: BLE001 - the other ranks wait in take_anchors' agreement
+                raise_on_every_rank(exc, self.process_group, "taking the anchors of the outer optimizers")
+            self.take_anchors(chosen, agree=True)  # the end of the warm-up
         self.step += 1
         if self.log_metrics_every and self.step % self.log_metrics_every == 0:
             logger.info("hierarchical averaging at step %d: %s", self.step, self.metrics())
@@ -480,13 +496,13 @@ class HierarchicalAverager:
             # Anchors not yet averaged over the group are local copies (taken at the end of the warm-up, or at
             # construction) and enter this round's mean of anchors: a non-finite one is checked as the tensors are.
             unsynced = outer is not None and not outer.synced
-            nonfinite = (
-                None
-                if self.config.nonfinite == "ignore"
-                else replica_any(
-                    has_nonfinite(tensors) or (unsynced and has_nonfinite(outer.anchors)), self._replica_group
-                )
-            )
+            nonfinite = None
+            if self.config.nonfinite != "ignore":
+                try:
+                    local = has_nonfinite(tensors) or (unsynced and has_nonfinite(outer.anchors))
+                except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
+                    local, error = False, error or exc
+                nonfinite = replica_any(local, self._replica_group)
             bad = check_agreement(
                 tensors,
                 lg.group,

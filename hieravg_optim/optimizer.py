@@ -140,8 +140,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             mean (a ``RuntimeError`` if none is finite); ``"ignore"``: no check (one non-finite replica
             makes every replica of the group non-finite). The check reads every tensor once.
         comm_dtype: The dtype tensors travel in when averaging (the *wire dtype*): ``None``
-            (default) sends each tensor in its own dtype, as torch does, except float16, sent as
-            float32 (its sum, formed before the division, would overflow near 65504); one name (``"float32"``,
+            (default) sends each tensor in its own dtype, as torch does, except float16 and float8, sent
+            as float32 (their sums, formed before the division, would overflow near 65504, or 448); one name (``"float32"``,
             ``"bf16"``, ``"fp16"``, ``"float64"``, or a ``torch.dtype``) for every level; or
             ``{period: dtype}`` per level, e.g. ``{32: "bf16"}`` to halve the bytes of float32
             parameters on the slowest level. Tensors keep their dtype; only the summed copy on the

@@ -378,14 +378,78 @@ def _scenario_skipped_replica_state_is_repaired(rank: int):
     assert adam.averager.replaced_at_step == (0 if rank == 1 else None)  # skipped once, not at every round
 
 
+def _scenario_callback_raising_on_one_rank(rank: int):
+    """``tensors_to_average`` raises on rank 2 only (a master weight missing from its optimizer state): at the
+    pair round of count 1 ranks 2 and 3 raise at once (rank 2 its KeyError, rank 3 a RuntimeError naming it), not
+    rank 3 at the timeout; ranks 0 and 1 average. At the end of a warm-up with an outer optimizer (anchors taken
+    from the same callback), every rank raises."""
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    param = nn.Parameter(torch.full((2,), float(rank)))
+    masters = {"w": param.detach()}
+    fail = {"now": False}
+
+    def tensors():
+        return [masters["missing" if fail["now"] and rank == 2 else "w"]]
+
+    opt = HierarchicalAveragingOptimizer(torch.optim.SGD([param], lr=0.0), LEVELS, tensors_to_average=tensors)
+    opt.step()  # count 0: all four, mean 1.5
+    fail["now"] = True
+    start = time.monotonic()
+    try:
+        opt.step()  # count 1: pairs
+    except KeyError:
+        assert rank == 2
+    except RuntimeError as exc:
+        assert rank == 3 and "Rank 2 failed" in str(exc) and "KeyError" in str(exc), (rank, exc)
+    else:
+        assert rank in (0, 1), f"rank {rank}: no error"
+    assert time.monotonic() - start < 10.0, (rank, time.monotonic() - start)  # the process group's timeout is 60 s
+    assert torch.equal(param, torch.full((2,), 1.5)), (rank, param)
+    fail["now"] = False
+    param2 = nn.Parameter(torch.full((2,), float(rank)))
+    masters["w"] = param2.detach()
+    outer = HierarchicalAveragingOptimizer(
+        torch.optim.SGD([param2], lr=0.0), LEVELS, warmup_steps=2, tensors_to_average=tensors,
+        outer_optimizers={2: lambda anchors: torch.optim.SGD(anchors, lr=1.0)},
+    )  # fmt: skip
+    outer.step()  # count 0: warm-up
+    fail["now"] = True
+    try:
+        outer.step()  # count 1: the anchors are taken
+    except KeyError:
+        assert rank == 2
+    except RuntimeError as exc:
+        assert rank != 2 and "Rank 2 failed" in str(exc) and "taking the anchors" in str(exc), (rank, exc)
+    else:
+        raise AssertionError(f"rank {rank}: no error")
+
+
+def _scenario_float8(rank: int):
+    """float8 parameters average through a float32 wire (gloo cannot sum float8), and their NaN are checked."""
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    param = nn.Parameter(torch.full((3,), rank + 1.0).to(torch.float8_e4m3fn), requires_grad=False)
+    opt = HierarchicalAveragingOptimizer(torch.optim.SGD([param], lr=0.0), LEVELS, average_frozen=True)
+    opt.step()  # count 0: the mean of 1, 2, 3, 4
+    assert torch.equal(param.float(), torch.full((3,), 2.5)), (rank, param)
+    _poison(rank, [param], {3: float("nan")})
+    _expect_nonfinite_error(opt, rank, {2, 3}, "rank [3] (replica [3])")  # count 1: the pair {2, 3}
+
+
 def _run_skipped(rank: int, world_size: int) -> dict:
     return run_scenarios(
-        {"nan_anchor": _scenario_nan_anchor_is_skipped, "inner_state": _scenario_skipped_replica_state_is_repaired},
+        {
+            "nan_anchor": _scenario_nan_anchor_is_skipped,
+            "inner_state": _scenario_skipped_replica_state_is_repaired,
+            "float8": _scenario_float8,
+            "callback_raising_on_one_rank": _scenario_callback_raising_on_one_rank,  # last: pairs out of step after
+        },
         rank,
     )
 
 
-def test_a_skipped_replica_carries_finite_anchors_and_optimizer_state():
+def test_a_skipped_replica_carries_finite_anchors_and_optimizer_state_and_local_failures_raise_everywhere():
     run_distributed(_run_skipped, WORLD, timeout=120, pg_timeout=60)
 
 
@@ -446,6 +510,9 @@ def test_has_nonfinite():
     assert has_nonfinite([torch.ones(8) for _ in range(50)] + [torch.tensor([inf])] + [torch.ones(8)])
     assert has_nonfinite([torch.nn.Parameter(torch.tensor([nan, 1.0]))])  # requires grad: no graph built
     assert not has_nonfinite([torch.arange(3)])  # integer tensors are never averaged
+    assert not has_nonfinite([torch.full((3,), 448.0).to(torch.float8_e4m3fn), torch.ones(2, dtype=torch.float8_e5m2)])
+    assert has_nonfinite([torch.tensor([1.0, nan]).to(torch.float8_e4m3fn)])
+    assert has_nonfinite([torch.tensor([1.0, -inf]).to(torch.float8_e5m2)])
 
 
 def test_zero_nonfinite_state():
