@@ -223,6 +223,9 @@ class HierarchicalAverager:
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
         # A sharded replica's ranks decide together whether it is finite (one int64 per round).
         self._replica_group = build_replica_group(config, self.process_group, self._group_timeout())
+        self._replica_ranks = (
+            [] if self._replica_group is None else dist.get_process_group_ranks(self._replica_group)
+        )
         self.step = 0
         """The averaging step count: optimizer steps taken so far (``HierarchicalModelAverager.step``)."""
         self.pool = BucketPool()
@@ -502,7 +505,13 @@ class HierarchicalAverager:
                     local = has_nonfinite(tensors) or (unsynced and has_nonfinite(outer.anchors))
                 except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
                     local, error = False, error or exc
-                nonfinite = replica_any(local, self._replica_group)
+                # Over this rank's replica, not the level's group: a hung peer there is named as such.
+                with named_collective(
+                    f"the agreement of the replica's ranks on whether it is finite, before {round_name}",
+                    self._replica_ranks,
+                    timeout_s=self.config.collective_timeout_s,
+                ):
+                    nonfinite = replica_any(local, self._replica_group)
             bad = check_agreement(
                 tensors,
                 lg.group,

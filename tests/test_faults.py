@@ -32,15 +32,22 @@ BOUND_S = 10.0
 
 
 # -- a dead or hung peer ---------------------------------------------------------------------------
-def _train_until_fault(rank: int, world_size: int, victim: int, fault: str, count: int, timeout_s: float, out: str):
-    """Step until the fault; the victim injects it at the round of step count ``count``."""
+def _train_until_fault(
+    rank: int, world_size: int, victim: int, fault: str, count: int, timeout_s: float, out: str, sharded: bool
+):
+    """Step until the fault; the victim injects it at the round of step count ``count``: after the round's
+    agreement or, ``sharded`` (2 replicas of 2 shards, one level of 4), before its replica's finiteness check."""
     from hieravg_optim import HierarchicalAveragingOptimizer
     from hieravg_optim import averager as averager_module
 
     param = nn.Parameter(torch.full((1000,), float(rank)))
-    opt = HierarchicalAveragingOptimizer(torch.optim.SGD([param], lr=0.0), LEVELS, collective_timeout_s=timeout_s)
+    opt = HierarchicalAveragingOptimizer(
+        torch.optim.SGD([param], lr=0.0), {1: WORLD} if sharded else LEVELS, collective_timeout_s=timeout_s,
+        ranks_per_replica=2 if sharded else 1,
+    )  # fmt: skip
     if rank == victim:
-        original = averager_module.average_tensors_
+        name = "replica_any" if sharded else "average_tensors_"
+        original = getattr(averager_module, name)
 
         def faulty(*args, **kwargs):
             if opt.averager.step == count:  # the round's agreement is done: the peers are all-reducing
@@ -49,7 +56,7 @@ def _train_until_fault(rank: int, world_size: int, victim: int, fault: str, coun
                 os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             return original(*args, **kwargs)
 
-        averager_module.average_tensors_ = faulty
+        setattr(averager_module, name, faulty)
     try:
         for _ in range(count + 4):
             opt.step()
@@ -60,12 +67,12 @@ def _train_until_fault(rank: int, world_size: int, victim: int, fault: str, coun
     raise AssertionError(f"rank {rank} finished {count + 4} steps without noticing the fault")
 
 
-def _run_fault(fault: str, victim: int, count: int, timeout_s: float) -> dict[int, dict]:
+def _run_fault(fault: str, victim: int, count: int, timeout_s: float, sharded: bool = False) -> dict[int, dict]:
     """Spawn the 4 ranks, wait for every survivor to exit, then kill the victim. Returns what each survivor saw."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hieravg-faults-") as tmp:
-        args = (victim, fault, count, timeout_s, tmp)
+        args = (victim, fault, count, timeout_s, tmp, sharded)
         procs = [
             ctx.Process(
                 target=_child,
@@ -146,6 +153,17 @@ def test_stopped_rank_is_reported_at_the_collective_timeout():
     first = min(s["delay"] for s in seen.values())
     assert first >= timeout_s - 1.0, seen  # not before the timeout (minus the time between agreement and stop)
     assert any("within the group's timeout of 3 s" in s["message"] for s in seen.values()), seen
+
+
+def test_stopped_rank_of_a_sharded_replica_is_named_with_its_replica():
+    """ranks_per_replica=2: rank 1 hangs before its replica's finiteness check (over {0, 1}), which runs before
+    the round's agreement (over the shard groups {0, 2} and {1, 3}). Rank 0 names the replica's ranks [0, 1], where
+    the hung peer is, not its shard group; ranks 2 and 3 name their shard groups."""
+    timeout_s = 3.0
+    seen = _run_fault("stop", victim=1, count=0, timeout_s=timeout_s, sharded=True)
+    round_name = "the averaging round at step 0 (period 1, group size 4)"
+    _check_survivors(seen, {0: (round_name, [0, 1]), 2: (round_name, [0, 2]), 3: (round_name, [1, 3])}, timeout_s)
+    assert "the agreement of the replica's ranks on whether it is finite, before" in seen[0]["message"], seen[0]
 
 
 # -- collective_timeout_s and nonfinite, in one world ----------------------------------------------
