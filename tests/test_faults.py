@@ -455,12 +455,42 @@ def _scenario_float8(rank: int):
     _expect_nonfinite_error(opt, rank, {2, 3}, "rank [3] (replica [3])")  # count 1: the pair {2, 3}
 
 
+def _scenario_reload_after_raise(rank: int):
+    """The guard raises on the pair {0, 1} at count 1 (after their inner step, uncounted); the pair {2, 3} averages
+    and counts. The state dicts saved then still load; every rank loads the checkpoint of count 1 and training
+    continues in step, to exact values."""
+    import copy
+
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    param = nn.Parameter(torch.full((3,), 2.0 * rank + 2.0))  # 2, 4, 6, 8
+    opt = HierarchicalAveragingOptimizer(torch.optim.SGD([param], lr=0.5), LEVELS)
+    param.grad = torch.ones(3)
+    opt.step()  # count 0: 1.5, 3.5, 5.5, 7.5; top level: 4.5
+    checkpoint = (param.detach().clone(), copy.deepcopy(opt.state_dict()))
+    if rank == 0:
+        param.grad[1] = float("inf")
+    _expect_nonfinite_error(opt, rank, {0, 1}, "rank [0] (replica [0])")  # count 1: 4.0, [4.0, -inf, 4.0] on rank 0
+    after = opt.state_dict()
+    assert after["step"] == (1 if rank < 2 else 2), (rank, after["step"])
+    assert torch.equal(param, torch.tensor([4.0, -float("inf"), 4.0]) if rank == 0 else torch.full((3,), 4.0))
+    HierarchicalAveragingOptimizer(torch.optim.SGD([param], lr=0.5), LEVELS).load_state_dict(after)  # it loads
+    with torch.no_grad():
+        param.copy_(checkpoint[0])
+    opt.load_state_dict(checkpoint[1])
+    for _ in range(3):  # counts 1, 2, 3: 4.0, 3.5, 3.0, averaged at each
+        param.grad = torch.ones(3)
+        opt.step()
+    assert torch.equal(param, torch.full((3,), 3.0)) and opt.averaging_step == 4, (rank, param, opt.averaging_step)
+
+
 def _run_skipped(rank: int, world_size: int) -> dict:
     return run_scenarios(
         {
             "nan_anchor": _scenario_nan_anchor_is_skipped,
             "inner_state": _scenario_skipped_replica_state_is_repaired,
             "float8": _scenario_float8,
+            "reload_after_raise": _scenario_reload_after_raise,
             "callback_raising_on_one_rank": _scenario_callback_raising_on_one_rank,  # last: pairs out of step after
         },
         rank,
