@@ -129,7 +129,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             ``RuntimeError`` instead of averaging different tensors. Does not apply to the tensors
             ``tensors_to_average`` returns.
         collective_timeout_s: Timeout of the averaging subgroups' collectives, in seconds (a positive
-            number); ``None`` (default): the timeout of ``process_group``. A peer that died is reported at
+            number, at most ``1e9``); ``None`` (default): the timeout of ``process_group``. A peer that died is reported at
             once; one that hangs, after this timeout: then every rank of the round raises a ``RuntimeError``
             naming the level, the step count and the subgroup's ranks (see ``docs/faults.md``). With a
             value, the top level gets a group of its own, even where it spans ``process_group``.

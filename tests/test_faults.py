@@ -192,6 +192,10 @@ def _scenario_timeouts(rank: int):
     assert process_group_timeout(pair.group).total_seconds() == 7.0
     assert top.group is not torch.distributed.group.WORLD  # a group of its own, with the timeout
     assert process_group_timeout(top.group).total_seconds() == 7.0
+    # The largest timeout accepted works with gloo (9.2e9 s hung its all-reduce, 9.3e9 s timed it out at once).
+    opt, params = _opt(rank, _values(rank), collective_timeout_s=1e9)
+    opt.step()  # count 0, top level: 5
+    assert all(torch.equal(p, torch.full_like(p, 5.0)) for p in params)
 
 
 def _scenario_bad_timeout_on_one_rank(rank: int):
@@ -502,7 +506,7 @@ def test_a_skipped_replica_carries_finite_anchors_and_optimizer_state_and_local_
 
 
 # -- local checks ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "30", True])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "30", True, 1e9 + 1, 9.2e9, 1e300])
 def test_bad_collective_timeout(value):
     from hieravg_optim import HierarchicalAveragingOptimizer
 
@@ -523,6 +527,8 @@ def test_bad_nonfinite():
         parse_section({"period_group_size": {"2": 4}, "nonfinite": None})
     with pytest.raises(ValueError, match=r'key "collective_timeout_s" must be a positive number of seconds'):
         parse_section({"period_group_size": {"2": 4}, "collective_timeout_s": -5})
+    with pytest.raises(ValueError, match=r'key "collective_timeout_s" must be .* at most 1e\+09.*got 9200000000.0'):
+        parse_section({"period_group_size": {"2": 4}, "collective_timeout_s": 9.2e9})  # hangs gloo's all-reduce
     settings = parse_section({"period_group_size": {"2": 4}, "collective_timeout_s": 20, "nonfinite": "skip_replica"})
     config = settings.averaging_config(ranks_per_replica=1)
     assert (config.collective_timeout_s, config.nonfinite) == (20.0, "skip_replica")
