@@ -204,7 +204,8 @@ def has_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
     non-finite whenever an element is (NaN and infinities propagate through the squares); it can
     also be non-finite for finite elements whose squares overflow (magnitudes beyond about 1.8e19
     in float32), so only a tensor whose norm is non-finite is then checked element by element,
-    which tells the two apart. Complex tensors are checked as their real view. Extra memory: one
+    which tells the two apart. Complex tensors are checked as their real view, float8 ones as a float32
+    copy (torch has no norm for them). Extra memory: one
     scalar per tensor (plus, only for a tensor whose norm is non-finite, a bool tensor of its size).
     Cost measured in ``bench/nonfinite.py`` and ``bench/averaging.py`` (``docs/faults.md``).
     """
@@ -212,6 +213,8 @@ def has_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
     for t in tensors:
         if t.numel() and (t.is_floating_point() or t.is_complex()):
             t = torch.view_as_real(t) if t.is_complex() else t
+            if t.element_size() == 1:  # float8: no norm kernel; read as float32 (exact), a copy
+                t = t.float()
             groups.setdefault((t.device, t.dtype), []).append(t)
     for (_, dtype), members in groups.items():
         with torch.no_grad():

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ._handover import hand_over
-from .agreement import agree_across_ranks, check_agreement, has_nonfinite
+from .agreement import agree_across_ranks, check_agreement, has_nonfinite, raise_on_every_rank
 from .averaging import BucketPool, average_tensors_
 from .config import AveragingConfig, is_int, warn_at_caller
 from .faults import named_collective
@@ -230,9 +230,15 @@ class HierarchicalAverager:
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
         # A sharded replica's ranks decide together whether it is finite (one int64 per round).
         self._replica_group = build_replica_group(config, self.process_group, self._group_timeout())
+        self._replica_ranks = (
+            [] if self._replica_group is None else dist.get_process_group_ranks(self._replica_group)
+        )
         self.step = 0
         """The averaging step count: optimizer steps taken so far (``HierarchicalModelAverager.step``)."""
         self.pool = BucketPool()
+        self.replaced_at_step: int | None = None
+        """The count of the last round that replaced this rank's tensors by the finite replicas' mean
+        (``nonfinite="skip_replica"``, this rank's replica non-finite); ``None`` if none has. Local."""
         self._metrics = [
             LevelMetrics(period=lg.level.period, group_size=lg.level.group_size, subgroup_size=lg.size)
             for lg in self.level_groups
@@ -382,7 +388,11 @@ class HierarchicalAverager:
         Call it once per optimizer step, after the inner optimizer has stepped.
 
         Args:
-            tensors: Called only when averaging is due; returns the tensors to average in place.
+            tensors: Called only when averaging is due (and at the end of the warm-up, with outer
+                optimizers); returns the tensors to average in place. If it, ``check`` or ``context``
+                raises on some ranks only, every rank of the subgroup (of the process group, at the end
+                of the warm-up) raises, before any averaging collective: those ranks their exception,
+                the others a ``RuntimeError`` naming them.
             check: Called only when averaging is due, before ``tensors()``; returns the error of a
                 local check that failed (or ``None``), raised on every rank of the subgroup by
                 :meth:`average` before any averaging collective.
@@ -395,11 +405,23 @@ class HierarchicalAverager:
         self.verify_step_if_loaded()
         index = self.due_level()
         if index is not None:
-            error = None if check is None else check()
-            extra = None if context is None else context()
-            self.average(index, tensors(), error=error, context=extra)
+            # A callback that raises on some ranks only is raised on every rank of the subgroup by the round's
+            # agreement, instead of those ranks leaving while the others wait in it until the timeout.
+            chosen: Sequence[torch.Tensor] = []
+            extra = None
+            try:
+                error = None if check is None else check()
+                extra = None if context is None else context()
+                chosen = tensors()
+            except Exception as exc:  # noqa: BLE001 - raised below, on every rank of the subgroup
+                error, extra, chosen = exc, None, []
+            self.average(index, chosen, error=error, context=extra)
         if self.has_outer and self.step == self.config.warmup_steps - 1:
-            self.take_anchors(tensors(), agree=True)  # the end of the warm-up
+            try:
+                chosen = tensors()
+            except Exception as exc:  # noqa: BLE001 - the other ranks wait in take_anchors' agreement
+                raise_on_every_rank(exc, self.process_group, "taking the anchors of the outer optimizers")
+            self.take_anchors(chosen, agree=True)  # the end of the warm-up
         self.step += 1
         if self.log_metrics_every and self.step % self.log_metrics_every == 0:
             logger.info("hierarchical averaging at step %d: %s", self.step, self.metrics())
@@ -482,9 +504,22 @@ class HierarchicalAverager:
             f"the averaging round at step {self.step} (period {lg.level.period}, group size {lg.level.group_size})"
         )
         with torch.no_grad(), named_collective(round_name, lg.ranks, timeout_s=self._timeout_s(lg)):
-            nonfinite = (
-                None if self.config.nonfinite == "ignore" else replica_any(has_nonfinite(tensors), self._replica_group)
-            )
+            # Anchors not yet averaged over the group are local copies (taken at the end of the warm-up, or at
+            # construction) and enter this round's mean of anchors: a non-finite one is checked as the tensors are.
+            unsynced = outer is not None and not outer.synced
+            nonfinite = None
+            if self.config.nonfinite != "ignore":
+                try:
+                    local = has_nonfinite(tensors) or (unsynced and has_nonfinite(outer.anchors))
+                except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
+                    local, error = False, error or exc
+                # Over this rank's replica, not the level's group: a hung peer there is named as such.
+                with named_collective(
+                    f"the agreement of the replica's ranks on whether it is finite, before {round_name}",
+                    self._replica_ranks,
+                    timeout_s=self.config.collective_timeout_s,
+                ):
+                    nonfinite = replica_any(local, self._replica_group)
             bad = check_agreement(
                 tensors,
                 lg.group,
@@ -500,7 +535,7 @@ class HierarchicalAverager:
                 error=error,
                 nonfinite=nonfinite,
             )
-            divisor = self._skip_nonfinite(lg, bad, tensors, round_name) if bad else None
+            divisor = self._skip_nonfinite(lg, bad, tensors, round_name, anchors=unsynced) if bad else None
             payload = average_tensors_(
                 tensors,
                 lg.group,
@@ -512,7 +547,10 @@ class HierarchicalAverager:
                 node=lg.node,
                 check_wire=self.config.nonfinite != "ignore",
                 what=round_name,
+                contribute_zeros=dist.get_rank() in bad,
             )
+            if dist.get_rank() in bad:
+                self.replaced_at_step = self.step
             if outer is not None:
                 if not outer.synced:
                     payload += self._sync_anchors(outer, lg, self._outer_part(tensors), bad, divisor)
@@ -652,17 +690,20 @@ class HierarchicalAverager:
         return None if timeout is None else timeout.total_seconds()
 
     def _skip_nonfinite(
-        self, lg: LevelGroup, bad: list[int], tensors: Sequence[torch.Tensor], round_name: str
+        self, lg: LevelGroup, bad: list[int], tensors: Sequence[torch.Tensor], round_name: str, *, anchors: bool
     ) -> int:
         """Apply :attr:`AveragingConfig.nonfinite` to the ranks ``bad`` of ``lg`` whose tensors are non-finite.
 
         Every rank of the group gets the same ``bad`` (from :func:`check_agreement`), so every rank raises,
         or every rank goes on to the same collective. Returns the number of finite replicas to divide by;
-        a non-finite rank's tensors are zeroed here, so that it adds nothing to the sum.
+        a non-finite rank then adds zeros to the sum (``average_tensors_(contribute_zeros=True)``). ``anchors``: the round also checked the level's anchors
+        (not yet averaged over the group), named in the messages.
         """
         rpr = self.config.ranks_per_replica
         replicas = sorted({dist.get_group_rank(self.process_group, r) // rpr for r in bad})
         named = f"rank{'s' if len(bad) > 1 else ''} {bad} (replica{'s' if len(replicas) > 1 else ''} {replicas})"
+        if anchors:
+            named = f"{named} (or in the anchors of the outer optimizer, taken there and not yet averaged)"
         finite = lg.size - len(bad)
         if self.config.nonfinite == "raise" or finite == 0:
             cause = (
@@ -676,9 +717,6 @@ class HierarchicalAverager:
                 'the gradients, resume from an earlier checkpoint, or pass nonfinite="skip_replica" to average the '
                 "finite replicas only and give the others that mean."
             )
-        if dist.get_rank() in bad:
-            for t in tensors:
-                t.zero_()
         if dist.get_rank() == lg.ranks[0]:
             logger.warning(
                 "%s: non-finite values in %s; averaging the %d finite replicas of the group of ranks %s, and giving "

@@ -431,6 +431,8 @@ def _reduce_staged(
     pool: BucketPool,
     node: NodeGroups | None,
     what: str,
+    *,
+    contribute_zeros: bool = False,
 ) -> None:
     """Average ``packed`` (float16 on the wire) through one buffer per device, checked before any tensor is written.
 
@@ -439,6 +441,7 @@ def _reduce_staged(
     all-reduce across nodes, all-gather), and its sum is formed in float32, which cannot overflow for
     float16 elements: the sum is finite exactly when every element is. Only then is the buffer divided by
     ``divisor`` and unpacked. Extra memory: the float16 payload, once (kept in ``pool``).
+    ``contribute_zeros``: this rank's buffer holds zeros instead of its tensors (which are left as they are).
 
     Raises:
         WireOverflowError: if an all-reduced element is not finite, before any tensor is written.
@@ -450,7 +453,10 @@ def _reduce_staged(
         padded = -(-total // m) * m
         buffer = pool.get(device, wire, padded)[:padded]
         (chunk,) = _flat_pieces(items, total)
-        _pack(chunk, buffer[:total])
+        if contribute_zeros:
+            buffer[:total].zero_()
+        else:
+            _pack(chunk, buffer[:total])
         buffer[total:].zero_()
         hand_over(buffer)
         if node is None:
@@ -506,6 +512,7 @@ def average_tensors_(
     coalesce: bool | None = None,
     check_wire: bool = True,
     what: str = "the averaging round",
+    contribute_zeros: bool = False,
 ) -> int:
     """Replace every tensor by its mean over ``group`` (or its sum divided by ``divisor``), in place.
 
@@ -545,6 +552,10 @@ def average_tensors_(
             :class:`WireOverflowError` on every rank with every tensor unchanged. ``False``: the float16
             wire is bucketed like the others and an overflow writes infinities (``nonfinite="ignore"``).
         what: Names the round in the error message (the averager passes the step count and the level).
+        contribute_zeros: This rank adds zeros to the sum instead of its tensors, and gets the result like
+            every rank (``nonfinite="skip_replica"``: a non-finite replica, with ``divisor`` the number of
+            the others). Its tensors are zeroed only once the checked float16 wire, if any, has passed, so a
+            :class:`WireOverflowError` leaves them unchanged too.
 
     Returns:
         The payload this rank all-reduced, in bytes of the wire dtypes.
@@ -587,10 +598,13 @@ def average_tensors_(
         for t, w in items:
             if w in _CHECKED_WIRE:
                 staged.setdefault((t.device, w), []).append((t, w))
-        _reduce_staged(staged, group, div, pool, node, what)
+        _reduce_staged(staged, group, div, pool, node, what, contribute_zeros=contribute_zeros)
         items = [(t, w) for t, w in items if w not in _CHECKED_WIRE]
         if not items:
             return payload
+    if contribute_zeros:
+        for t, _ in items:
+            t.zero_()
     by_key: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, torch.dtype]]] = {}
     if node is not None:
         for t, w in items:

@@ -103,10 +103,12 @@ def wire_dtype(dtype: torch.dtype, comm_dtype: str | None) -> torch.dtype:
 
     ``None`` (the default) keeps ``dtype``, except float16, which travels as float32: the sum is
     formed before the division, and a float16 sum of a few values near float16's largest (65504)
-    would overflow, where torch's ``average_parameters`` divides first. Complex dtypes always keep theirs.
+    would overflow, where torch's ``average_parameters`` divides first. The float8 dtypes
+    (``float8_e4m3fn``, ``float8_e5m2``, ...) travel as float32 too: gloo cannot sum them, and their
+    sums would overflow even sooner (448 for ``float8_e4m3fn``). Complex dtypes always keep theirs.
     """
     if dtype.is_complex:
         return dtype
     if comm_dtype is None:
-        return torch.float32 if dtype == torch.float16 else dtype
+        return torch.float32 if dtype == torch.float16 or dtype.itemsize == 1 else dtype
     return COMM_DTYPES[comm_dtype]

@@ -151,13 +151,22 @@ def parse_levels(
     return tuple(levels)
 
 
+MAX_COLLECTIVE_TIMEOUT_S = 1e9
+"""The largest ``collective_timeout_s``, in seconds (about 31.7 years). Larger ones overflow in gloo, whose
+deadlines count nanoseconds: with torch 2.13, 9.2e9 s hung the first all-reduce and 9.3e9 s timed it out at once."""
+
+
 def check_collective_timeout_s(value: object) -> None:
-    """Raise ``ValueError`` unless ``value`` is ``None`` or a positive, finite number of seconds."""
-    if value is not None and (not _is_real(value) or not _as_float(value) > 0 or not math.isfinite(_as_float(value))):
+    """Raise ``ValueError`` unless ``value`` is ``None`` or a positive, finite number of seconds, at most
+    :data:`MAX_COLLECTIVE_TIMEOUT_S` (a larger one overflows in the backend: a hang, or a timeout at once)."""
+    if value is not None and (
+        not _is_real(value) or not 0 < _as_float(value) <= MAX_COLLECTIVE_TIMEOUT_S or not math.isfinite(_as_float(value))
+    ):
         raise ValueError(
-            f"collective_timeout_s must be a positive, finite number of seconds or None (the process group's "
-            f"timeout), got {value!r} ({type(value).__name__}). Pass e.g. collective_timeout_s=300 to let a dead or "
-            "hung peer be reported after 5 minutes."
+            f"collective_timeout_s must be a positive, finite number of seconds, at most {MAX_COLLECTIVE_TIMEOUT_S:g} "
+            f"(larger ones overflow in the backend), or None (the process group's timeout), got {value!r} "
+            f"({type(value).__name__}). Pass e.g. collective_timeout_s=300 to let a dead or hung peer be reported "
+            "after 5 minutes."
         )
 
 

@@ -22,6 +22,7 @@ All of it is local: no collective.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -41,6 +42,8 @@ __all__ = [
     "pop_group_step",
     "split_count",
     "unscale_grads",
+    "repair_skipped_replica_state",
+    "zero_nonfinite_state",
 ]
 
 STATE_KEY = "hierarchical_averaging"
@@ -189,6 +192,59 @@ def drop_initialized_state(inner: torch.optim.Optimizer, made: InitializedState)
     if inner.state is container:
         for p in [p for p, entry in container.items() if entries.get(id(p)) is entry]:
             del container[p]
+
+
+def zero_nonfinite_state(inner: torch.optim.Optimizer) -> list[str]:
+    """Set every NaN and infinity in ``inner``'s state tensors to 0, in place; local, no collective.
+
+    For a replica whose averaged tensors ``nonfinite="skip_replica"`` has just replaced by the
+    finite replicas' mean: a NaN gradient that reached the inner step leaves NaN in its state too
+    (SGD's ``momentum_buffer``, Adam's ``exp_avg`` and ``exp_avg_sq``), and the next inner step
+    would write it back into the parameters, so that the replica is skipped again at every round.
+    The state restarts at 0 at those elements only (as a fresh optimizer's moments do); finite
+    elements and the ``"step"`` counts are left as they are. Every floating-point and complex
+    tensor of ``inner.state`` is checked (:func:`hieravg_optim.agreement.has_nonfinite`), one read.
+
+    Returns:
+        The entries changed, as ``"state[i][name]"`` (``i`` the parameter's index in ``param_groups``,
+        else its position in ``state``), in order; empty if the state was finite.
+    """
+    from .agreement import has_nonfinite
+
+    index = {id(p): i for i, p in enumerate(p for group in inner.param_groups for p in group["params"])}
+    changed = []
+    with torch.no_grad():
+        for position, (param, entry) in enumerate(inner.state.items()):
+            if not isinstance(entry, Mapping):
+                continue
+            for name, value in entry.items():
+                if torch.is_tensor(value) and (value.is_floating_point() or value.is_complex()) and has_nonfinite([value]):
+                    torch.nan_to_num_(value, nan=0.0, posinf=0.0, neginf=0.0)
+                    changed.append(f"state[{index.get(id(param), position)}][{name!r}]")
+    return changed
+
+
+def repair_skipped_replica_state(inner: object, count: int) -> list[str]:
+    """:func:`zero_nonfinite_state` on ``inner`` after the round at ``count`` replaced this replica's tensors.
+
+    Logs a warning naming the changed entries through the ``hieravg_optim.optimizer`` logger. A no-op
+    for an ``inner`` that is not a ``torch.optim.Optimizer``. Local, no collective.
+
+    Returns:
+        The entries changed (see :func:`zero_nonfinite_state`).
+    """
+    if not isinstance(inner, torch.optim.Optimizer):
+        return []
+    changed = zero_nonfinite_state(inner)
+    if changed:
+        logging.getLogger(__package__ + ".optimizer").warning(
+            "rank %s: the averaging round at step %d gave this replica the finite replicas' mean "
+            "(nonfinite=\"skip_replica\"); its inner optimizer's state held non-finite values too, set to 0 in %s",
+            torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
+            count,
+            ", ".join(changed),
+        )
+    return changed
 
 
 def pop_group_step(state_dict: dict[str, Any]) -> int | None:

@@ -36,6 +36,7 @@ from .inner import (
     initialize_state_step,
     inner_step,
     split_count,
+    repair_skipped_replica_state,
 )
 from .outer import OuterFactory
 from .schedule import AveragingLevel
@@ -128,7 +129,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             ``RuntimeError`` instead of averaging different tensors. Does not apply to the tensors
             ``tensors_to_average`` returns.
         collective_timeout_s: Timeout of the averaging subgroups' collectives, in seconds (a positive
-            number); ``None`` (default): the timeout of ``process_group``. A peer that died is reported at
+            number, at most ``1e9``); ``None`` (default): the timeout of ``process_group``. A peer that died is reported at
             once; one that hangs, after this timeout: then every rank of the round raises a ``RuntimeError``
             naming the level, the step count and the subgroup's ranks (see ``docs/faults.md``). With a
             value, the top level gets a group of its own, even where it spans ``process_group``.
@@ -139,8 +140,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             mean (a ``RuntimeError`` if none is finite); ``"ignore"``: no check (one non-finite replica
             makes every replica of the group non-finite). The check reads every tensor once.
         comm_dtype: The dtype tensors travel in when averaging (the *wire dtype*): ``None``
-            (default) sends each tensor in its own dtype, as torch does, except float16, sent as
-            float32 (its sum, formed before the division, would overflow near 65504); one name (``"float32"``,
+            (default) sends each tensor in its own dtype, as torch does, except float16 and float8, sent
+            as float32 (their sums, formed before the division, would overflow near 65504, or 448); one name (``"float32"``,
             ``"bf16"``, ``"fp16"``, ``"float64"``, or a ``torch.dtype``) for every level; or
             ``{period: dtype}`` per level, e.g. ``{32: "bf16"}`` to halve the bytes of float32
             parameters on the slowest level. Tensors keep their dtype; only the summed copy on the
@@ -425,8 +426,17 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         loss = inner_step(
             self.optimizer, closure, getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         )
+        count = self.averager.step
         self.averager.step_and_average(self.tensors_to_average, check=self._round_error, context=self._frozen_context)
+        if self.averager.replaced_at_step == count:
+            self._repair_inner_state(count)
         return loss
+
+    def _repair_inner_state(self, count: int) -> None:
+        """After a round replaced this replica's tensors (``nonfinite="skip_replica"``): zero the non-finite
+        elements of the inner optimizer's state, which the next inner step would write back (see
+        :func:`hieravg_optim.inner.zero_nonfinite_state`). Local, no collective."""
+        repair_skipped_replica_state(self.optimizer, count)
 
     def _round_error(self) -> BaseException | None:
         """Local checks of an averaging round, raised on every rank of the subgroup by the round's agreement.

@@ -9,6 +9,8 @@
   works.
 * ZeRO-3 with a forward that takes a different branch in each replica: trains (DeepSpeed's
   trace check runs within the replica).
+* ``"nonfinite": "skip_replica"`` under ZeRO-0 with a NaN gradient in one replica: that replica gets
+  the other's weights, and the NaN of its Adam moments are zeroed, so it is skipped once only.
 
 All scenarios run in one spawn of 4 ranks.
 """
@@ -189,6 +191,44 @@ def _zero3_branch_case(rank):
     }
 
 
+def _nonfinite_skip_case(rank):
+    """ZeRO-0, replicas {0, 1} and {2, 3}, one level of all 4 ranks at every step, ``"skip_replica"``: a NaN input
+    on rank 3 at count 0 makes replica 1's gradients, Adam moments and weights NaN. Count 0 gives replica 1 replica
+    0's weights; its moments' NaN are set to 0, so it is averaged in again from count 1 on."""
+    import torch
+    import torch.distributed as dist
+
+    import hieravg_optim.deepspeed as hds
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    section = {"period_group_size": {"1": WORLD}, "ranks_per_replica": S, "nonfinite": "skip_replica"}
+    engine, *_ = hds.initialize(
+        model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01), config=_config(0, section)
+    )
+    averager = engine.hierarchical_averaging.averager
+    replaced, equal = [], []
+    for i in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * rank + i))
+        if rank == 3 and i == 0:
+            x[0, 0] = float("nan")
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        replaced.append(averager.replaced_at_step)
+        weights = [p.detach().clone() for p in engine.module.parameters()]
+        gathered = [None] * WORLD
+        dist.all_gather_object(gathered, weights)
+        equal.append(all(all(a.equal(b) for a, b in zip(gathered[0], g)) for g in gathered))
+    state = list(engine.optimizer.state.values())
+    assert len(state) == 4, state  # Adam's moments of the 4 parameters: the check below is not vacuous
+    return {
+        "replaced": replaced,
+        "equal": equal,
+        "finite": all(bool(torch.isfinite(p).all()) for p in engine.module.parameters()),
+        "state_finite": all(bool(torch.isfinite(t).all()) for entry in state for t in entry.values()),
+    }
+
+
 def _all_scenarios(rank, world_size):
     import torch
 
@@ -202,6 +242,7 @@ def _all_scenarios(rank, world_size):
             "empty_group_scheduler_instance": lambda r: _empty_group_case(r, as_callable=False),
             "empty_group_scheduler_callable": lambda r: _empty_group_case(r, as_callable=True),
             "zero3_branch_per_replica": _zero3_branch_case,
+            "nonfinite_skip_zero0": _nonfinite_skip_case,
         },
         rank,
     )
@@ -253,6 +294,14 @@ def test_zero3_branch_per_replica_trains(results):
     for rank, per_rank in enumerate(results):
         r = per_rank["zero3_branch_per_replica"]
         assert r == {"count": 3, "equal_everywhere": True}, (rank, r)
+
+
+def test_a_skipped_replica_gets_finite_weights_and_moments(results):
+    for rank, per_rank in enumerate(results):
+        r = per_rank["nonfinite_skip_zero0"]
+        # Replica 1 is replaced at count 0 only (without the moments' repair: at every count).
+        assert r["replaced"] == ([0, 0, 0] if rank >= S else [None] * 3), (rank, r)
+        assert r == {**r, "equal": [True] * 3, "finite": True, "state_finite": True}, (rank, r)
 
 
 def test_average_buffers_key_is_validated():

@@ -32,15 +32,22 @@ BOUND_S = 10.0
 
 
 # -- a dead or hung peer ---------------------------------------------------------------------------
-def _train_until_fault(rank: int, world_size: int, victim: int, fault: str, count: int, timeout_s: float, out: str):
-    """Step until the fault; the victim injects it at the round of step count ``count``."""
+def _train_until_fault(
+    rank: int, world_size: int, victim: int, fault: str, count: int, timeout_s: float, out: str, sharded: bool
+):
+    """Step until the fault; the victim injects it at the round of step count ``count``: after the round's
+    agreement or, ``sharded`` (2 replicas of 2 shards, one level of 4), before its replica's finiteness check."""
     from hieravg_optim import HierarchicalAveragingOptimizer
     from hieravg_optim import averager as averager_module
 
     param = nn.Parameter(torch.full((1000,), float(rank)))
-    opt = HierarchicalAveragingOptimizer(torch.optim.SGD([param], lr=0.0), LEVELS, collective_timeout_s=timeout_s)
+    opt = HierarchicalAveragingOptimizer(
+        torch.optim.SGD([param], lr=0.0), {1: WORLD} if sharded else LEVELS, collective_timeout_s=timeout_s,
+        ranks_per_replica=2 if sharded else 1,
+    )  # fmt: skip
     if rank == victim:
-        original = averager_module.average_tensors_
+        name = "replica_any" if sharded else "average_tensors_"
+        original = getattr(averager_module, name)
 
         def faulty(*args, **kwargs):
             if opt.averager.step == count:  # the round's agreement is done: the peers are all-reducing
@@ -49,7 +56,7 @@ def _train_until_fault(rank: int, world_size: int, victim: int, fault: str, coun
                 os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             return original(*args, **kwargs)
 
-        averager_module.average_tensors_ = faulty
+        setattr(averager_module, name, faulty)
     try:
         for _ in range(count + 4):
             opt.step()
@@ -60,12 +67,12 @@ def _train_until_fault(rank: int, world_size: int, victim: int, fault: str, coun
     raise AssertionError(f"rank {rank} finished {count + 4} steps without noticing the fault")
 
 
-def _run_fault(fault: str, victim: int, count: int, timeout_s: float) -> dict[int, dict]:
+def _run_fault(fault: str, victim: int, count: int, timeout_s: float, sharded: bool = False) -> dict[int, dict]:
     """Spawn the 4 ranks, wait for every survivor to exit, then kill the victim. Returns what each survivor saw."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hieravg-faults-") as tmp:
-        args = (victim, fault, count, timeout_s, tmp)
+        args = (victim, fault, count, timeout_s, tmp, sharded)
         procs = [
             ctx.Process(
                 target=_child,
@@ -148,6 +155,17 @@ def test_stopped_rank_is_reported_at_the_collective_timeout():
     assert any("within the group's timeout of 3 s" in s["message"] for s in seen.values()), seen
 
 
+def test_stopped_rank_of_a_sharded_replica_is_named_with_its_replica():
+    """ranks_per_replica=2: rank 1 hangs before its replica's finiteness check (over {0, 1}), which runs before
+    the round's agreement (over the shard groups {0, 2} and {1, 3}). Rank 0 names the replica's ranks [0, 1], where
+    the hung peer is, not its shard group; ranks 2 and 3 name their shard groups."""
+    timeout_s = 3.0
+    seen = _run_fault("stop", victim=1, count=0, timeout_s=timeout_s, sharded=True)
+    round_name = "the averaging round at step 0 (period 1, group size 4)"
+    _check_survivors(seen, {0: (round_name, [0, 1]), 2: (round_name, [0, 2]), 3: (round_name, [1, 3])}, timeout_s)
+    assert "the agreement of the replica's ranks on whether it is finite, before" in seen[0]["message"], seen[0]
+
+
 # -- collective_timeout_s and nonfinite, in one world ----------------------------------------------
 def _opt(rank: int, tensors: list[torch.Tensor], **kwargs):
     from hieravg_optim import HierarchicalAveragingOptimizer
@@ -174,6 +192,10 @@ def _scenario_timeouts(rank: int):
     assert process_group_timeout(pair.group).total_seconds() == 7.0
     assert top.group is not torch.distributed.group.WORLD  # a group of its own, with the timeout
     assert process_group_timeout(top.group).total_seconds() == 7.0
+    # The largest timeout accepted works with gloo (9.2e9 s hung its all-reduce, 9.3e9 s timed it out at once).
+    opt, params = _opt(rank, _values(rank), collective_timeout_s=1e9)
+    opt.step()  # count 0, top level: 5
+    assert all(torch.equal(p, torch.full_like(p, 5.0)) for p in params)
 
 
 def _scenario_bad_timeout_on_one_rank(rank: int):
@@ -315,8 +337,176 @@ def test_timeouts_and_nonfinite_policies():
     run_distributed(_run_all, WORLD, timeout=180, pg_timeout=60)
 
 
+
+# -- what a skipped replica carries into the next round ---------------------------------------------
+def _scenario_nan_anchor_is_skipped(rank: int):
+    """A NaN taken into an anchor at the end of the warm-up (no synchronous warm-up), on rank 1, whose tensors the
+    pair round then makes finite: the top level's first round averages the anchors and would spread the NaN to
+    every rank. Rank 1 is skipped there instead: anchors and tensors are the means of ranks 0, 2 and 3."""
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    param = nn.Parameter(torch.full((3,), 3.0 * rank + 1.0))  # 1, 4, 7, 10
+    opt = HierarchicalAveragingOptimizer(
+        torch.optim.SGD([param], lr=0.0), {1: 2, 4: 4}, warmup_steps=3, nonfinite="skip_replica",
+        outer_optimizers={4: lambda anchors: torch.optim.SGD(anchors, lr=0.5)},
+    )  # fmt: skip
+    opt.step()
+    opt.step()  # counts 0, 1: warm-up, no round
+    _poison(rank, [param], {1: float("nan")})
+    opt.step()  # count 2: the anchors are taken: 1, [4, 4, NaN], 7, 10
+    opt.step()  # count 3, pairs: rank 1 gets rank 0's 1; ranks 2 and 3 average to 8.5
+    assert torch.equal(param, torch.full((3,), 1.0 if rank < 2 else 8.5)), (rank, param)
+    param.data.fill_([2.0, 100.0, 8.0, 14.0][rank])  # finite everywhere; rank 1's must not count
+    opt.step()  # count 4, top level with the outer optimizer
+    # Anchors: the mean of 1, 7, 10 is 6; tensors: the mean of 2, 8, 14 is 8; SGD(lr=0.5): 6 - 0.5 (6 - 8) = 7.
+    anchors = opt.state_dict()["hierarchical_averaging"]["outer"][4]["anchors"]
+    assert torch.equal(param, torch.full((3,), 7.0)), (rank, param)
+    assert torch.equal(anchors[0], torch.full((3,), 7.0)), (rank, anchors)
+    assert opt.averager.replaced_at_step == (4 if rank == 1 else None)
+
+
+def _scenario_skipped_replica_state_is_repaired(rank: int):
+    """A NaN gradient on rank 3 reaches SGD's momentum buffer. The top round gives rank 3 the mean of ranks 0, 1
+    and 2 and zeroes the NaN of its momentum buffer, so the next step (a pair round) averages rank 3 in, instead of
+    the buffer making it non-finite, and skipped, at every round from then on."""
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    param = nn.Parameter(torch.full((4,), 2.0 * rank + 2.0))  # 2, 4, 6, 8
+    inner = torch.optim.SGD([param], lr=0.5, momentum=0.5)
+    opt = HierarchicalAveragingOptimizer(inner, LEVELS, nonfinite="skip_replica")
+    param.grad = torch.ones(4)
+    if rank == 3:
+        param.grad[0] = float("nan")
+    opt.step()  # count 0: 1.5, 3.5, 5.5 and [NaN, 7.5, ...]; top level: the mean of ranks 0-2, 3.5
+    assert torch.equal(param, torch.full((4,), 3.5)), (rank, param)
+    buffer = inner.state[param]["momentum_buffer"]
+    assert torch.equal(buffer, torch.tensor([0.0 if rank == 3 else 1.0, 1.0, 1.0, 1.0])), (rank, buffer)
+    param.grad = torch.ones(4)
+    opt.step()  # count 1: buffer 1.5 (rank 3's first element: 1), param 2.75 (3.0); pairs average
+    expected = torch.full((4,), 2.75)
+    if rank >= 2:
+        expected[0] = (2.75 + 3.0) / 2
+    assert torch.equal(param, expected), (rank, param)
+    assert opt.averager.replaced_at_step == (0 if rank == 3 else None)
+    adam_param = nn.Parameter(torch.full((4,), float(rank)))
+    adam = HierarchicalAveragingOptimizer(torch.optim.Adam([adam_param], lr=0.1), LEVELS, nonfinite="skip_replica")
+    for count in range(4):
+        adam_param.grad = torch.ones(4)
+        if rank == 1 and count == 0:
+            adam_param.grad[2] = float("inf")
+        adam.step()
+    state = adam.optimizer.state[adam_param]
+    assert all(bool(torch.isfinite(state[name]).all()) for name in ("exp_avg", "exp_avg_sq")), (rank, state)
+    assert adam.averager.replaced_at_step == (0 if rank == 1 else None)  # skipped once, not at every round
+
+
+def _scenario_callback_raising_on_one_rank(rank: int):
+    """``tensors_to_average`` raises on rank 2 only (a master weight missing from its optimizer state): at the
+    pair round of count 1 ranks 2 and 3 raise at once (rank 2 its KeyError, rank 3 a RuntimeError naming it), not
+    rank 3 at the timeout; ranks 0 and 1 average. At the end of a warm-up with an outer optimizer (anchors taken
+    from the same callback), every rank raises."""
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    param = nn.Parameter(torch.full((2,), float(rank)))
+    masters = {"w": param.detach()}
+    fail = {"now": False}
+
+    def tensors():
+        return [masters["missing" if fail["now"] and rank == 2 else "w"]]
+
+    opt = HierarchicalAveragingOptimizer(torch.optim.SGD([param], lr=0.0), LEVELS, tensors_to_average=tensors)
+    opt.step()  # count 0: all four, mean 1.5
+    fail["now"] = True
+    start = time.monotonic()
+    try:
+        opt.step()  # count 1: pairs
+    except KeyError:
+        assert rank == 2
+    except RuntimeError as exc:
+        assert rank == 3 and "Rank 2 failed" in str(exc) and "KeyError" in str(exc), (rank, exc)
+    else:
+        assert rank in (0, 1), f"rank {rank}: no error"
+    assert time.monotonic() - start < 10.0, (rank, time.monotonic() - start)  # the process group's timeout is 60 s
+    assert torch.equal(param, torch.full((2,), 1.5)), (rank, param)
+    fail["now"] = False
+    param2 = nn.Parameter(torch.full((2,), float(rank)))
+    masters["w"] = param2.detach()
+    outer = HierarchicalAveragingOptimizer(
+        torch.optim.SGD([param2], lr=0.0), LEVELS, warmup_steps=2, tensors_to_average=tensors,
+        outer_optimizers={2: lambda anchors: torch.optim.SGD(anchors, lr=1.0)},
+    )  # fmt: skip
+    outer.step()  # count 0: warm-up
+    fail["now"] = True
+    try:
+        outer.step()  # count 1: the anchors are taken
+    except KeyError:
+        assert rank == 2
+    except RuntimeError as exc:
+        assert rank != 2 and "Rank 2 failed" in str(exc) and "taking the anchors" in str(exc), (rank, exc)
+    else:
+        raise AssertionError(f"rank {rank}: no error")
+
+
+def _scenario_float8(rank: int):
+    """float8 parameters average through a float32 wire (gloo cannot sum float8), and their NaN are checked."""
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    param = nn.Parameter(torch.full((3,), rank + 1.0).to(torch.float8_e4m3fn), requires_grad=False)
+    opt = HierarchicalAveragingOptimizer(torch.optim.SGD([param], lr=0.0), LEVELS, average_frozen=True)
+    opt.step()  # count 0: the mean of 1, 2, 3, 4
+    assert torch.equal(param.float(), torch.full((3,), 2.5)), (rank, param)
+    _poison(rank, [param], {3: float("nan")})
+    _expect_nonfinite_error(opt, rank, {2, 3}, "rank [3] (replica [3])")  # count 1: the pair {2, 3}
+
+
+def _scenario_reload_after_raise(rank: int):
+    """The guard raises on the pair {0, 1} at count 1 (after their inner step, uncounted); the pair {2, 3} averages
+    and counts. The state dicts saved then still load; every rank loads the checkpoint of count 1 and training
+    continues in step, to exact values."""
+    import copy
+
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    param = nn.Parameter(torch.full((3,), 2.0 * rank + 2.0))  # 2, 4, 6, 8
+    opt = HierarchicalAveragingOptimizer(torch.optim.SGD([param], lr=0.5), LEVELS)
+    param.grad = torch.ones(3)
+    opt.step()  # count 0: 1.5, 3.5, 5.5, 7.5; top level: 4.5
+    checkpoint = (param.detach().clone(), copy.deepcopy(opt.state_dict()))
+    if rank == 0:
+        param.grad[1] = float("inf")
+    _expect_nonfinite_error(opt, rank, {0, 1}, "rank [0] (replica [0])")  # count 1: 4.0, [4.0, -inf, 4.0] on rank 0
+    after = opt.state_dict()
+    assert after["step"] == (1 if rank < 2 else 2), (rank, after["step"])
+    assert torch.equal(param, torch.tensor([4.0, -float("inf"), 4.0]) if rank == 0 else torch.full((3,), 4.0))
+    HierarchicalAveragingOptimizer(torch.optim.SGD([param], lr=0.5), LEVELS).load_state_dict(after)  # it loads
+    with torch.no_grad():
+        param.copy_(checkpoint[0])
+    opt.load_state_dict(checkpoint[1])
+    for _ in range(3):  # counts 1, 2, 3: 4.0, 3.5, 3.0, averaged at each
+        param.grad = torch.ones(3)
+        opt.step()
+    assert torch.equal(param, torch.full((3,), 3.0)) and opt.averaging_step == 4, (rank, param, opt.averaging_step)
+
+
+def _run_skipped(rank: int, world_size: int) -> dict:
+    return run_scenarios(
+        {
+            "nan_anchor": _scenario_nan_anchor_is_skipped,
+            "inner_state": _scenario_skipped_replica_state_is_repaired,
+            "float8": _scenario_float8,
+            "reload_after_raise": _scenario_reload_after_raise,
+            "callback_raising_on_one_rank": _scenario_callback_raising_on_one_rank,  # last: pairs out of step after
+        },
+        rank,
+    )
+
+
+def test_a_skipped_replica_carries_finite_anchors_and_optimizer_state_and_local_failures_raise_everywhere():
+    run_distributed(_run_skipped, WORLD, timeout=120, pg_timeout=60)
+
+
 # -- local checks ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "30", True])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "30", True, 1e9 + 1, 9.2e9, 1e300])
 def test_bad_collective_timeout(value):
     from hieravg_optim import HierarchicalAveragingOptimizer
 
@@ -337,6 +527,8 @@ def test_bad_nonfinite():
         parse_section({"period_group_size": {"2": 4}, "nonfinite": None})
     with pytest.raises(ValueError, match=r'key "collective_timeout_s" must be a positive number of seconds'):
         parse_section({"period_group_size": {"2": 4}, "collective_timeout_s": -5})
+    with pytest.raises(ValueError, match=r'key "collective_timeout_s" must be .* at most 1e\+09.*got 9200000000.0'):
+        parse_section({"period_group_size": {"2": 4}, "collective_timeout_s": 9.2e9})  # hangs gloo's all-reduce
     settings = parse_section({"period_group_size": {"2": 4}, "collective_timeout_s": 20, "nonfinite": "skip_replica"})
     config = settings.averaging_config(ranks_per_replica=1)
     assert (config.collective_timeout_s, config.nonfinite) == (20.0, "skip_replica")
@@ -372,6 +564,27 @@ def test_has_nonfinite():
     assert has_nonfinite([torch.ones(8) for _ in range(50)] + [torch.tensor([inf])] + [torch.ones(8)])
     assert has_nonfinite([torch.nn.Parameter(torch.tensor([nan, 1.0]))])  # requires grad: no graph built
     assert not has_nonfinite([torch.arange(3)])  # integer tensors are never averaged
+    assert not has_nonfinite([torch.full((3,), 448.0).to(torch.float8_e4m3fn), torch.ones(2, dtype=torch.float8_e5m2)])
+    assert has_nonfinite([torch.tensor([1.0, nan]).to(torch.float8_e4m3fn)])
+    assert has_nonfinite([torch.tensor([1.0, -inf]).to(torch.float8_e5m2)])
+
+
+def test_zero_nonfinite_state():
+    from hieravg_optim.inner import zero_nonfinite_state
+
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    inner = torch.optim.Adam([a, b], lr=0.1)
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    inner.step()
+    assert zero_nonfinite_state(inner) == []
+    inner.state[b]["exp_avg_sq"][1] = float("inf")
+    inner.state[a]["exp_avg"][0] = float("nan")
+    step = inner.state[a]["step"].clone()
+    assert zero_nonfinite_state(inner) == ["state[0]['exp_avg']", "state[1]['exp_avg_sq']"]
+    assert torch.equal(inner.state[a]["exp_avg"], torch.tensor([0.0, 0.1, 0.1]))
+    assert torch.equal(inner.state[b]["exp_avg_sq"], torch.tensor([0.001, 0.0], dtype=torch.bfloat16))
+    assert torch.equal(inner.state[a]["step"], step)
 
 
 def test_deepspeed_initialize_keywords_are_checked_before_any_collective():

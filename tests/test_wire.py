@@ -303,6 +303,30 @@ def _scenario_fp16_wire_overflow(rank: int) -> dict:
     ts = tensors()
     ignore.average(-1, ts)
     assert all(bool(torch.isinf(t).all()) for t in ts[:3]), [t.flatten()[:2] for t in ts]
+    # nonfinite="skip_replica" with rank 5 non-finite: the other 7 replicas' sums overflow just the same, and the
+    # skipped rank's tensors are unchanged too (not the zeros it adds to the sum). At the pair level, rank 5 gets
+    # rank 4's values exactly.
+    for ranks_per_node in (4, None):
+        skip = HierarchicalAverager(
+            AveragingConfig.create({1: 2, 2: 8}, comm_dtype="fp16", nonfinite="skip_replica", ranks_per_node=ranks_per_node)
+        )
+        ts = tensors()
+        if rank == 5:
+            ts[1][0, 0] = float("nan")
+            ts[2][3] = float("inf")
+        before = [t.clone() for t in ts]
+        with pytest.raises(WireOverflowError):
+            skip.average(-1, ts)
+        for t, b in zip(ts, before):
+            torch.testing.assert_close(t, b, rtol=0, atol=0, equal_nan=True)
+        assert skip.replaced_at_step is None
+        skip.average(0, ts)
+        first = 10000.0 + 16 * pair[0]
+        expected = first if rank in (4, 5) else pair_mean
+        for t in ts[:3]:
+            assert torch.equal(t, torch.full(t.shape, expected, dtype=t.dtype)), (rank, t.flatten()[:3])
+        assert torch.equal(ts[4], torch.full((3,), complex(4 if rank in (4, 5) else sum(pair) / 2, 1)))
+        assert skip.replaced_at_step == (0 if rank == 5 else None)
     return out
 
 

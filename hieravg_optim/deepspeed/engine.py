@@ -20,6 +20,7 @@ from ..averager import HierarchicalAverager
 from ..averaging import average_tensors_
 from ..config import AveragingConfig
 from ..faults import named_collective
+from ..inner import repair_skipped_replica_state
 from ..outer import OuterFactory
 from .checkpoint import wrap_checkpoints
 from .mpu import ReplicaParallelUnit
@@ -287,8 +288,13 @@ class DeepSpeedAveraging:
         Returns:
             The index of the level that averaged, or ``None``.
         """
+        count = self.averager.step
         index = self.averager.step_and_average(self.tensors_to_average, context=self._frozen_context)
         if index is not None:
+            if self.averager.replaced_at_step == count:
+                # The masters got the finite replicas' mean; NaN moments would write NaN back at the next step.
+                opt = self.engine.optimizer
+                repair_skipped_replica_state(getattr(opt, "optimizer", opt), count)
             if self._round_changes_masters(index):
                 self.push_to_module()
             self._average_buffers_in_replica()

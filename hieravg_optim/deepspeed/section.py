@@ -20,6 +20,7 @@ import torch
 from ..config import (
     NONFINITE_POLICIES,
     AveragingConfig,
+    MAX_COLLECTIVE_TIMEOUT_S,
     check_collective_timeout_s,
     check_nonfinite,
     warn_at_caller,
@@ -189,7 +190,11 @@ def parse_section(section: Any) -> SectionSettings:
     try:
         check_collective_timeout_s(timeout)
     except ValueError:
-        raise _bad("collective_timeout_s", timeout, "a positive number of seconds, or null for the default group's") from None
+        raise _bad(
+            "collective_timeout_s",
+            timeout,
+            f"a positive number of seconds, at most {MAX_COLLECTIVE_TIMEOUT_S:g}, or null for the default group's",
+        ) from None
     nonfinite = section.get("nonfinite", "raise")
     try:
         check_nonfinite(nonfinite)
