@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tests.harness import run_distributed, run_scenarios

@@ -531,16 +531,20 @@ def results():
 # ------------------------------------------------------------------------------------------------
 # Tests
 # ------------------------------------------------------------------------------------------------
+def _assert_equals_plain_averaging(rank: int, r: dict) -> None:
+    """Outer SGD with lr 1 and no momentum: every round's result is the plain mean, to 1e-6."""
+    assert r["rounds"] == 3, (rank, r)
+    assert all(r["replicas_differed"]), f"rank {rank}: replicas equal before a round; the test is vacuous"
+    assert max(r["round_errors"]) <= 1e-6, (rank, r["round_errors"])
+    assert r["final_diff_to_plain"] <= 1e-6, (rank, r["final_diff_to_plain"])
+    assert r["module_is_masters_in_dtype"], rank
+    assert r["pseudo_grad_norm"] > 0 and r["outer_bytes"] > 0, (rank, r)
+
+
 @pytest.mark.parametrize("stage,prec", STAGES_AND_PRECISIONS, ids=[f"zero{s}_{p}" for s, p in STAGES_AND_PRECISIONS])
 def test_outer_sgd_lr1_equals_plain_averaging(results, stage, prec):
     for rank, per_rank in enumerate(results):
-        r = per_rank[f"sgd1_zero{stage}_{prec}"]
-        assert r["rounds"] == 3, (rank, r)
-        assert all(r["replicas_differed"]), f"rank {rank}: replicas equal before a round; the test is vacuous"
-        assert max(r["round_errors"]) <= 1e-6, (rank, r["round_errors"])
-        assert r["final_diff_to_plain"] <= 1e-6, (rank, r["final_diff_to_plain"])
-        assert r["module_is_masters_in_dtype"], rank
-        assert r["pseudo_grad_norm"] > 0 and r["outer_bytes"] > 0, (rank, r)
+        _assert_equals_plain_averaging(rank, per_rank[f"sgd1_zero{stage}_{prec}"])
 
 
 @pytest.mark.parametrize("stage", FP16_STAGES, ids=[f"zero{s}_fp16" for s in FP16_STAGES])
@@ -549,12 +553,7 @@ def test_outer_sgd_lr1_equals_plain_averaging_fp16(fp16_results, stage):
         r = per_rank[f"sgd1_zero{stage}_fp16"]
         # DeepSpeed's fp16 ZeRO optimizer, its fp32 masters averaged, no step skipped (the rounds all ran).
         assert r["kind"] == "zero12" and r["skipped_steps"] == 0, (rank, r)
-        assert r["rounds"] == 3, (rank, r)
-        assert all(r["replicas_differed"]), f"rank {rank}: replicas equal before a round; the test is vacuous"
-        assert max(r["round_errors"]) <= 1e-6, (rank, r["round_errors"])
-        assert r["final_diff_to_plain"] <= 1e-6, (rank, r["final_diff_to_plain"])
-        assert r["module_is_masters_in_dtype"], rank
-        assert r["pseudo_grad_norm"] > 0 and r["outer_bytes"] > 0, (rank, r)
+        _assert_equals_plain_averaging(rank, r)
 
 
 def test_nesterov_matches_torch_sgd_reference_fp16(fp16_results):
