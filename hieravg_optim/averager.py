@@ -612,9 +612,6 @@ class HierarchicalAverager:
         """
         assert outer.anchors is not None
         staged = [a if a.device == t.device else a.to(t.device) for a, t in zip(outer.anchors, tensors)]
-        if dist.get_rank() in bad:
-            for a in staged:
-                a.zero_()
         payload = average_tensors_(
             staged,
             lg.group,
@@ -623,6 +620,7 @@ class HierarchicalAverager:
             pool=self.pool,
             divisor=divisor,
             node=lg.node,
+            contribute_zeros=dist.get_rank() in bad,
         )
         for a, s in zip(outer.anchors, staged):
             if a is not s:
