@@ -7,6 +7,7 @@ takes its own share of the training set.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -33,6 +34,7 @@ __all__ = [
     "report",
     "run_metrics",
     "steps_per_epoch",
+    "torchrun_rank_and_world_size",
     "train_epochs",
     "whole_run_metrics",
     "write_metrics",
@@ -115,6 +117,13 @@ def replicas_identical(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, flat, group=group)
     return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def torchrun_rank_and_world_size(parser: argparse.ArgumentParser, script: str) -> tuple[int, int]:
+    """This process's ``RANK`` and ``WORLD_SIZE`` as torchrun sets them; a usage error through ``parser`` if unset."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        parser.error(f"RANK/WORLD_SIZE are not set: launch with torchrun --nproc_per_node N {script}")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 def write_metrics(path: str | os.PathLike, metrics: dict) -> None:

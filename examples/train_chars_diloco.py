@@ -31,7 +31,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from chars_common import TinyTransformerLM, corpus_fingerprint, lm_loss, load_char_shard, sample_batch, validation_loss
-from digits_common import replicas_identical, write_metrics
+from digits_common import replicas_identical, torchrun_rank_and_world_size, write_metrics
 from hieravg_optim import AveragingConfig, HierarchicalAveragingOptimizer, level_at, nesterov_outer, rounds_per_level
 from train_digits import (
     _format_levels,
@@ -104,12 +104,7 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser()
     args = parser.parse_args(argv)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        parser.error(
-            "RANK/WORLD_SIZE are not set: launch with torchrun --nproc_per_node N examples/train_chars_diloco.py"
-        )
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+    rank, world_size = torchrun_rank_and_world_size(parser, "examples/train_chars_diloco.py")
     levels = args.period_group_size or parse_period_group_size(default_period_group_size(world_size))
     try:
         with warnings.catch_warnings():

@@ -50,6 +50,7 @@ from digits_common import (
     report,
     run_metrics,
     steps_per_epoch,
+    torchrun_rank_and_world_size,
     train_epochs,
     whole_run_metrics,
 )
@@ -155,11 +156,8 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser()
     args = parser.parse_args(argv)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        parser.error("RANK/WORLD_SIZE are not set: launch with torchrun --nproc_per_node N examples/train_digits.py")
+    rank, world_size = torchrun_rank_and_world_size(parser, "examples/train_digits.py")
     check_checkpoint_arguments(parser, args)
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
 
     # Check the hierarchy against the world size before any process group exists, so a bad value gives
     # one clear message (from rank 0) instead of a traceback per rank.

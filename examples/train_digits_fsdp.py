@@ -37,6 +37,7 @@ from digits_common import (  # noqa: E402
     report,
     run_metrics,
     steps_per_epoch,
+    torchrun_rank_and_world_size,
     train_epochs,
 )
 from train_digits import make_parser as make_base_parser  # noqa: E402
@@ -88,12 +89,7 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser()
     args = parser.parse_args(argv)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        parser.error(
-            "RANK/WORLD_SIZE are not set: launch with torchrun --nproc_per_node N examples/train_digits_fsdp.py"
-        )
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+    rank, world_size = torchrun_rank_and_world_size(parser, "examples/train_digits_fsdp.py")
     shards = args.shards_per_replica
     if shards <= 0 or world_size % shards != 0:
         parser.error(f"--shards-per-replica {shards} must be a positive divisor of the world size ({world_size}).")
