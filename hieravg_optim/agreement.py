@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ._handover import hand_over
-from .averaging import overlaps_itself
 from .faults import named_collective
+from .tensors import overlaps_itself
 
 __all__ = [
     "agree_across_ranks",

@@ -27,11 +27,7 @@ from .groups import LevelGroup, build_level_groups, process_group_timeout
 from .outer import OuterFactory, OuterLevel, check_outer_optimizers, check_outer_state_device, probe_factory
 from .replica import build_replica_group, replica_any
 from .schedule import AveragingLevel, level_at, period_of_key
-
-try:  # torch >= 2.5
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch 2.4
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+from .tensors import local_tensor
 
 __all__ = [
     "HierarchicalAverager",
@@ -48,16 +44,6 @@ point call :func:`~hieravg_optim.agreement.agree_across_ranks` with it and ``Non
 
 logger = logging.getLogger(__package__ + ".optimizer")
 """The metrics of ``log_metrics_every`` go to the ``hieravg_optim.optimizer`` logger, the name documented for it."""
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage this rank averages: the local shard of a DTensor, else ``t`` detached.
-
-    Both share storage with ``t``; nothing is copied and nothing is rebound.
-    """
-    if isinstance(t, DTensor):
-        return t.to_local().detach()
-    return t.detach()
 
 
 @dataclass(slots=True)

@@ -27,15 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .averager import local_tensor
+from ._compat import DTensor
 from .config import AveragingConfig
 from .groups import averaging_subgroup_ranks
 from .schedule import AveragingLevel
-
-try:  # torch >= 2.5
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch 2.4
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+from .tensors import local_tensor, unique_params
 
 __all__ = [
     "add_checked_param_group",
@@ -54,16 +50,6 @@ _FSDP_FIX = (
     "wrap the optimizer with FSDPHierarchicalAveragingOptimizer, which averages each shard only among the ranks "
     "holding that same shard."
 )
-def unique_params(param_groups: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, torch.Tensor]]:
-    """``(group index, index in group, parameter)`` of each parameter of ``param_groups``, once, in order."""
-    seen: set[int] = set()
-    out = []
-    for g, group in enumerate(param_groups):
-        for i, p in enumerate(group["params"]):
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append((g, i, p))
-    return out
 
 
 def _same_shard_ranks(t: DTensor) -> tuple[list[int], set[int]] | None:
@@ -197,7 +183,6 @@ def master_copy(optimizer: torch.optim.Optimizer) -> tuple[int, int, torch.Tenso
             if value.shape == local.shape and value.to(device=local.device, dtype=local.dtype).equal(local):
                 return g, i, p, key
     return None
-
 
 
 def rebound_param_error(

@@ -1,6 +1,6 @@
 """Where to average: the averaging subgroups of each level, built once.
 
-Layout (the default, and so far the only one): ranks are numbered by their rank
+Layout: ranks are numbered by their rank
 in the overall process group ``P`` of size ``W``.
 
 * A *replica* is a block of ``s = ranks_per_replica`` consecutive ranks:
@@ -26,16 +26,41 @@ import logging
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
-from .averaging import NodeGroups
+from ._compat import process_group_timeout
 from .config import AveragingConfig
 from .schedule import AveragingLevel
 
-__all__ = ["LevelGroup", "averaging_subgroup_ranks", "build_level_groups", "node_split_ranks", "process_group_timeout"]
+__all__ = [
+    "LevelGroup",
+    "NodeGroups",
+    "averaging_subgroup_ranks",
+    "build_level_groups",
+    "node_split_ranks",
+    "process_group_timeout",
+]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeGroups:
+    """The subgroups of a node-aware level, for this rank (see :func:`build_level_groups`).
+
+    The ``n = local_size * cross_size`` ranks of an averaging subgroup are split by node: the
+    ``local_size`` of them on this rank's node form :attr:`local`, and the ``cross_size`` ranks
+    with this rank's index on every node form :attr:`cross`.
+    """
+
+    local: dist.ProcessGroup
+    """This rank's subgroup members on its own node (reduce-scatter and all-gather)."""
+    local_size: int
+    """Ranks in :attr:`local`, at least 2."""
+    cross: dist.ProcessGroup | None
+    """The members with this rank's index on every node (all-reduce of the shards); ``None`` for one node."""
+    cross_size: int
+    """Ranks in :attr:`cross`: the nodes the subgroup spans."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,17 +95,6 @@ def averaging_subgroup_ranks(world_size: int, group_size: int, ranks_per_replica
     return subgroups
 
 
-def process_group_timeout(group: dist.ProcessGroup) -> timedelta | None:
-    """The timeout ``group`` was created with (``init_process_group(timeout=...)``), or ``None`` if unknown.
-
-    Read from the group's backend options (torch 2.4 to 2.13); local, no collective.
-    """
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except (AttributeError, RuntimeError, ValueError, TypeError):
-            continue
-    return None
 def node_split_ranks(subgroup: list[int], ranks_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
     """Split one averaging subgroup (ranks in the overall group) by node; pure, no collective.
 

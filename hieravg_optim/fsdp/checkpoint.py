@@ -29,14 +29,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._flat_param import FlatParameter
 
+from .._compat import DTensor, Shard
 from ..agreement import agree_across_ranks
 from .mesh import SHARD_DIM
 from .optimizer import FSDPHierarchicalAveragingOptimizer, ShardLayout, optimizer_params
-
-try:  # torch >= 2.5
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover - torch 2.4
-    from torch.distributed._tensor import DTensor, Shard  # type: ignore[no-redef]
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 

@@ -18,10 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 
-try:  # torch >= 2.6
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # pragma: no cover - torch 2.4 / 2.5
-    from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
+from .._compat import fully_shard
 
 __all__ = [
     "HSDP_FIX",

@@ -18,21 +18,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+from .._compat import DTensor, Placement, Replicate, Shard, fsdp2_param_groups
 from ..agreement import raise_on_every_rank
-from ..averager import local_tensor
-from ..checks import unique_params
+from ..tensors import local_tensor, unique_params
 from ..comm_dtype import CommDtype
 from ..optimizer import HierarchicalAveragingOptimizer
 from ..outer import OuterFactory
 from ..schedule import AveragingLevel
 from .mesh import HSDP_FIX, REPLICATE_DIM, SHARD_DIM, check_fsdp1_strategy, check_replicate_shard_mesh
-
-try:  # torch >= 2.5
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.placement_types import Placement
-except ImportError:  # pragma: no cover - torch 2.4
-    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
-    from torch.distributed._tensor.placement_types import Placement  # type: ignore[no-redef]
 
 __all__ = ["FSDPHierarchicalAveragingOptimizer", "ShardLayout", "optimizer_params"]
 
@@ -393,10 +386,7 @@ def _check_no_unsharded_fsdp2_params(module: nn.Module, params: list[torch.Tenso
         if not isinstance(sub, FSDPModule):
             continue
         state = sub._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:  # older torch: one group per module
-            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
-        for group in groups:
+        for group in fsdp2_param_groups(state):
             for fsdp_param in group.fsdp_params:
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
                 if unsharded is not None:

@@ -1,0 +1,74 @@
+"""Torch version shims, in one place: every import or private attribute that moved between torch releases.
+
+Supported: torch 2.4 and later. Each shim names the releases it covers; drop it with them.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+try:  # torch >= 2.5
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import Placement
+except ImportError:  # pragma: no cover - torch 2.4
+    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
+    from torch.distributed._tensor.placement_types import Placement  # type: ignore[no-redef]
+
+__all__ = [
+    "DTensor",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "all_gather_single",
+    "fsdp2_param_groups",
+    "fully_shard",
+    "process_group_timeout",
+    "reduce_scatter_single",
+]
+
+
+def fully_shard(*args: Any, **kwargs: Any) -> Any:
+    """``torch.distributed.fsdp.fully_shard`` (torch >= 2.6), else its torch 2.4 / 2.5 location."""
+    try:
+        from torch.distributed.fsdp import fully_shard as fn
+    except ImportError:  # pragma: no cover - torch 2.4 / 2.5
+        from torch.distributed._composable.fsdp import fully_shard as fn  # type: ignore[no-redef]
+    return fn(*args, **kwargs)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """SUM-reduce-scatter ``input`` into ``output`` over ``group`` (``dist.reduce_scatter_single`` where torch has it)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """All-gather ``input`` into ``output`` over ``group`` (``dist.all_gather_single`` where torch has it)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+def process_group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The timeout ``group`` was created with (``init_process_group(timeout=...)``), or ``None`` if unknown.
+
+    Read from the group's private backend options (torch 2.4 to 2.13); local, no collective.
+    """
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError, TypeError):
+            continue
+    return None
+
+
+def fsdp2_param_groups(state: Any) -> list[Any]:
+    """The FSDP2 parameter groups of a module's FSDP state (private: ``_fsdp_param_groups``, or one
+    ``_fsdp_param_group`` on older torch)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # older torch: one group per module
+        groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+    return groups
