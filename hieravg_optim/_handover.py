@@ -6,10 +6,8 @@ moment *after* ``wait()`` has returned on the calling thread. If the calling thr
 dropped its own reference to a tensor made in Python, the worker's drop is the last one and must
 take the GIL to free the tensor's Python object. Once the interpreter is finalizing, it cannot:
 the worker thread is torn down inside a C++ destructor and the process aborts with ``terminate
-called without an active exception`` (SIGABRT), after the run has finished. On a loaded 2-core
-machine a 4-rank script whose last collective was this package's
-(``hieravg_optim.fsdp.load_checkpoint``) aborted so in 5 of 38 runs. torch keeps the worker
-threads alive after ``destroy_process_group()`` while any object (a module, an optimizer, a
+called without an active exception`` (SIGABRT), after the run has finished (``docs/faults.md``,
+"An abort at exit with gloo"). torch keeps the worker threads alive after ``destroy_process_group()`` while any object (a module, an optimizer, a
 device mesh) still holds the process group.
 
 Two parts:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ._handover import hand_over
 from .faults import named_collective
+from .nonfinite import has_nonfinite  # re-exported: its old import path
 from .tensors import overlaps_itself
 
 __all__ = [
@@ -192,39 +193,6 @@ def check_agreement(
                 "parameter groups identically on every rank, and resume every rank from the same checkpoint."
             )
     raise AssertionError("digests differ but the gathered signatures are equal")
-
-
-def has_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether any element of ``tensors`` is a NaN or an infinity; local, no collective.
-
-    Exact, and read once: the 2-norm of every tensor is taken with one ``torch._foreach_norm`` call
-    per (device, dtype) (one fused pass on CUDA, as in ``torch.nn.utils.clip_grad_norm_``; float16
-    and bfloat16 in float32), and the norms of each such group are checked together, with one host
-    synchronisation per group (one in all for a model of one dtype on one device). A norm is
-    non-finite whenever an element is (NaN and infinities propagate through the squares); it can
-    also be non-finite for finite elements whose squares overflow (magnitudes beyond about 1.8e19
-    in float32), so only a tensor whose norm is non-finite is then checked element by element,
-    which tells the two apart. Complex tensors are checked as their real view, float8 ones as a float32
-    copy (torch has no norm for them). Extra memory: one
-    scalar per tensor (plus, only for a tensor whose norm is non-finite, a bool tensor of its size).
-    Cost measured in ``bench/nonfinite.py`` and ``bench/averaging.py`` (``docs/faults.md``).
-    """
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel() and (t.is_floating_point() or t.is_complex()):
-            t = torch.view_as_real(t) if t.is_complex() else t
-            if t.element_size() == 1:  # float8: no norm kernel; read as float32 (exact), a copy
-                t = t.float()
-            groups.setdefault((t.device, t.dtype), []).append(t)
-    for (_, dtype), members in groups.items():
-        with torch.no_grad():
-            finite = torch.isfinite(torch.stack(torch._foreach_norm(members, 2, dtype=torch.float32 if dtype == torch.float16 else None)))
-        if bool(finite.all()):
-            continue
-        # A non-finite norm: a non-finite element, or finite elements whose squares overflowed.
-        if any(not bool(torch.isfinite(t).all()) for t, ok in zip(members, finite.tolist()) if not ok):
-            return True
-    return False
 
 
 def tensor_signature(tensors: Sequence[torch.Tensor]) -> list[tuple[tuple[int, ...], str]]:

@@ -1,35 +1,40 @@
-"""The stateful averager: the step count, the subgroups, the buckets and the metrics.
+"""The stateful averager: construction, the step count, the due level and the one step driver.
 
 :class:`HierarchicalAverager` averages a list of tensors when the schedule says so,
 once per optimizer step. It is the piece the optimizer wrapper
 (:class:`~hieravg_optim.HierarchicalAveragingOptimizer`) and the DeepSpeed and FSDP
-adapters drive, as torch's ``PostLocalSGDOptimizer`` drives a ``HierarchicalModelAverager``.
+adapters drive (``begin_step``, then ``step_and_average``), as torch's ``PostLocalSGDOptimizer`` drives a
+``HierarchicalModelAverager``. A round is :mod:`~hieravg_optim.rounds`; the outer optimizers, state dict and
+metrics are base classes from :mod:`~hieravg_optim.anchors`, :mod:`~hieravg_optim.checkpoint`, :mod:`~hieravg_optim.metrics`.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from datetime import timedelta
-from typing import Any
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from ._handover import hand_over
-from .agreement import agree_across_ranks, check_agreement, has_nonfinite, raise_on_every_rank
-from .averaging import BucketPool, average_tensors_
-from .config import AveragingConfig, is_int, warn_at_caller
+from .agreement import agree_across_ranks, check_agreement, raise_on_every_rank
+from .anchors import TAKE_ANCHORS, OuterAnchorsMixin, OuterLevels
+from .averaging import BucketPool
+from .checkpoint import AveragingStateMixin
+from .config import AveragingConfig
 from .faults import named_collective
-from .groups import LevelGroup, build_level_groups, process_group_timeout
-from .outer import OuterFactory, OuterLevel, check_outer_optimizers, check_outer_state_device, probe_factory
-from .replica import build_replica_group, replica_any
-from .schedule import AveragingLevel, level_at, period_of_key
+from .groups import LevelGroup, build_level_groups, group_timeout, timeout_seconds
+from .metrics import LevelMetrics, MetricsMixin, bytes_sent, check_log_metrics_every
+from .nonfinite import repair_skipped_replica_state
+from .outer import OuterFactory, check_outer
+from .replica import build_replica_group
+from .rounds import average_round
+from .schedule import AveragingLevel, level_at
 from .tensors import local_tensor
 
 __all__ = [
+    "TAKE_ANCHORS",
     "HierarchicalAverager",
     "LevelMetrics",
     "bytes_sent",
@@ -37,87 +42,11 @@ __all__ = [
     "check_outer",
     "local_tensor",
 ]
-
-TAKE_ANCHORS = "taking the anchors of the outer optimizers"
-"""What :meth:`HierarchicalAverager.take_anchors` agrees on (``agree=True``); ranks that take no anchors at that
-point call :func:`~hieravg_optim.agreement.agree_across_ranks` with it and ``None``, the same collective."""
-
-logger = logging.getLogger(__package__ + ".optimizer")
-"""The metrics of ``log_metrics_every`` go to the ``hieravg_optim.optimizer`` logger, the name documented for it."""
+# Re-exported for their old import path: TAKE_ANCHORS (anchors), LevelMetrics, bytes_sent and
+# check_log_metrics_every (metrics), check_outer (outer), local_tensor (tensors).
 
 
-@dataclass(slots=True)
-class LevelMetrics:
-    """What one level of the hierarchy has done on this rank since construction."""
-
-    period: int
-    """The level's period, in steps."""
-    group_size: int
-    """The level's group size, in ranks."""
-    subgroup_size: int
-    """Ranks this rank averages with at this level (replicas holding the same shard)."""
-    rounds: int = 0
-    """Averaging rounds run, as the schedule gives them: a level whose subgroup is this rank alone
-    (``subgroup_size`` 1, a single replica) counts its rounds too, with no communication
-    (``payload_bytes`` and ``bytes_sent`` stay 0; an outer optimizer still steps)."""
-    payload_bytes: int = 0
-    """Bytes this rank all-reduced, in the level's wire dtypes (``comm_dtype``), summed over rounds."""
-    bytes_sent: int = 0
-    """Bytes this rank sent, estimated as ring collectives do: ``2 (n - 1) / n`` times the payload for a flat
-    all-reduce; node-aware, ``2 (m - 1) / m`` of it inside the node plus ``2 (q - 1) / (q m)`` across nodes
-    (``m`` ranks per node, ``q`` nodes)."""
-    seconds: float = 0.0
-    """Wall-clock seconds spent averaging, agreement check included (and the outer step, if any)."""
-    outer_bytes: int = 0
-    """Bytes this rank holds for the level's outer optimizer: its fp32 anchors plus the outer optimizer's
-    state (0 without an outer optimizer, or before the anchors are taken)."""
-    pseudo_grad_norm: float | None = None
-    """L2 norm of this rank's pseudo-gradient (``anchor - mean``, over its shards) at the level's last round;
-    ``None`` before the first round after the anchors were taken, or without an outer optimizer."""
-
-
-def bytes_sent(payload: int, lg: LevelGroup) -> int:
-    """Bytes one rank sends to all-reduce ``payload`` bytes at level ``lg``, as ring collectives do."""
-    if lg.node is None:
-        return 2 * (lg.size - 1) * payload // lg.size
-    m, q = lg.node.local_size, lg.node.cross_size
-    return 2 * (m - 1) * payload // m + 2 * (q - 1) * payload // (q * m)
-
-
-def check_log_metrics_every(value: object) -> None:
-    """Raise ``ValueError`` unless ``value`` is ``None`` or a positive integer number of steps."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(
-            f"log_metrics_every must be a positive integer number of steps or None, got {value!r}. "
-            "Pass e.g. log_metrics_every=100 to log the averaging metrics every 100 steps."
-        )
-
-
-def check_outer(
-    config: AveragingConfig,
-    outer_optimizers: Mapping[int | str, OuterFactory] | None,
-    outer_state_device: str | torch.device | None,
-) -> tuple[dict[int, OuterFactory], torch.device | None, dict[int, object]]:
-    """Validate ``outer_optimizers`` and ``outer_state_device`` against ``config``; local, no collective.
-
-    Each factory is probed on one small tensor (see :func:`hieravg_optim.outer.probe_factory`).
-
-    Returns:
-        ``(factories, device, kinds)``: ``{period: factory}``, the device or ``None``, and per period the
-        outer optimizer's class and hyperparameters, which the ranks agree on at construction.
-
-    Raises:
-        TypeError, ValueError: see :func:`hieravg_optim.outer.check_outer_optimizers` and
-            :func:`hieravg_optim.outer.check_outer_state_device`.
-    """
-    factories = check_outer_optimizers(outer_optimizers, config.levels)
-    device = check_outer_state_device(outer_state_device)
-    sizes = {lv.period: lv.group_size for lv in config.levels}
-    kinds = {period: probe_factory(period, factory, sizes[period]) for period, factory in factories.items()}
-    return factories, device, kinds
-
-
-class HierarchicalAverager:
+class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin):
     """Hierarchical model averaging of a set of tensors, driven once per optimizer step.
 
     The schedule and the checks are those of torch's
@@ -215,7 +144,7 @@ class HierarchicalAverager:
             agree_across_ranks("the averaging config", agreed_value, self.process_group, error=error)
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
         # A sharded replica's ranks decide together whether it is finite (one int64 per round).
-        self._replica_group = build_replica_group(config, self.process_group, self._group_timeout())
+        self._replica_group = build_replica_group(config, self.process_group, group_timeout(config, self.process_group))
         self._replica_ranks = (
             [] if self._replica_group is None else dist.get_process_group_ranks(self._replica_group)
         )
@@ -236,16 +165,7 @@ class HierarchicalAverager:
         """Log :meth:`metrics` through ``logging`` at INFO every this many steps (``None``: never)."""
         self.outer_state_device: torch.device | None = device
         """Where anchors and outer optimizer state live; ``None``: each tensor's own device."""
-        # One entry per level: its outer state, or None for a level that averages plainly.
-        self._outer: list[OuterLevel | None] = [
-            OuterLevel(lv.period, factories[lv.period], device, lv.group_size) if lv.period in factories else None
-            for lv in config.levels
-        ]
-        self.outer_skip_last: int = 0
-        """How many tensors at the end of every list given to :meth:`take_anchors` and :meth:`average` are
-        averaged plainly at levels with an outer optimizer: no anchor, no outer step. The optimizer wrapper
-        (its ``buffers``) and the DeepSpeed adapter (``average_buffers``) set it to their number of buffers, whose running statistics (BatchNorm's ``running_var``) an
-        outer step with momentum could push out of range (a negative variance)."""
+        self._outers = OuterLevels(config.levels, factories, device)
 
     @property
     def levels(self) -> tuple[AveragingLevel, ...]:
@@ -254,103 +174,6 @@ class HierarchicalAverager:
     @property
     def warmup_steps(self) -> int:
         return self.config.warmup_steps
-
-    @property
-    def has_outer(self) -> bool:
-        """Whether some level has an outer optimizer."""
-        return any(o is not None for o in self._outer)
-
-    @property
-    def has_anchors(self) -> bool:
-        """Whether every level with an outer optimizer holds its anchors (``False`` if there is none)."""
-        return self.has_outer and all(o.anchors is not None for o in self._outer if o is not None)
-
-    @property
-    def needs_anchors(self) -> bool:
-        """Whether the anchors are due but missing: a level has an outer optimizer, the count is past the
-        warm-up (``step >= warmup_steps``), and some anchor is not there (at construction with
-        ``warmup_steps=0``, or after loading a checkpoint without them). A wrapper then calls
-        :meth:`take_anchors` before its next inner step."""
-        return self.has_outer and not self.has_anchors and self.step >= self.config.warmup_steps
-
-    @property
-    def outer_periods(self) -> tuple[int, ...]:
-        """The periods of the levels with an outer optimizer, in level order."""
-        return tuple(o.period for o in self._outer if o is not None)
-
-    def outer_optimizer(self, period: int) -> torch.optim.Optimizer | None:
-        """The outer optimizer of the level of period ``period`` in use now; local, no collective.
-
-        The factory is called more than once (on a one-element probe tensor at construction, on meta tensors
-        to dry-run a loaded state, at each :meth:`take_anchors`), so keep no optimizer it returns: read the one
-        in use here, e.g. to change its learning rate (``param_groups``) or attach a scheduler after the
-        anchors are taken. Loading a state dict keeps the same object.
-
-        Returns:
-            The outer optimizer, or ``None`` before the level's anchors are taken.
-
-        Raises:
-            ValueError: if ``period`` is not a period with an outer optimizer (naming those that have one).
-        """
-        for outer in self._outer:
-            if outer is not None and outer.period == period:
-                return outer.optimizer
-        raise ValueError(
-            f"outer_optimizer({period!r}): no level of period {period!r} has an outer optimizer; those with one: "
-            f"{list(self.outer_periods)}."
-        )
-
-    def take_anchors(self, tensors: Sequence[torch.Tensor], *, agree: bool = False) -> None:
-        """Anchor every level with an outer optimizer at ``tensors``: fp32 copies, and fresh outer optimizers.
-
-        Local, no collective (unless ``agree``). Each anchor is an fp32 copy of the tensor (this rank's local shard), on
-        ``outer_state_device`` or else the tensor's device; each level's outer optimizer is rebuilt with
-        ``factory(anchors)`` (its state starts empty). The anchors need not be equal across ranks: a
-        level's first round after this averages its anchors over its group first (one extra all-reduce of
-        the anchors, once), so the replicas of the group compute the same outer step.
-
-        :meth:`step_and_average` calls it itself right after count ``warmup_steps - 1`` (after that
-        count's synchronous warm-up round, if any); with ``warmup_steps=0`` the wrapper or adapter calls it
-        at construction, after any broadcast from the first replica. A no-op without outer optimizers.
-
-        Args:
-            tensors: This rank's tensors, the same list, in the same order, as :meth:`average` will get.
-            agree: Also agree with every rank of the process group that each took its anchors (one
-                all-gather of two int64 per rank), so that a failure on some ranks only (a factory that
-                raises there, no memory left for the anchors) is raised on every rank, not a hang at the
-                next round. Every rank of the process group must then call it at the same point; the
-                wrappers and adapters do, at construction and at the end of the warm-up.
-
-        Raises:
-            TypeError, ValueError, RuntimeError: if a factory fails on the anchors (raises, or returns something
-                other than a ``torch.optim.Optimizer`` over exactly the anchors it is given), naming the level
-                (period, group size) and the fix (:func:`hieravg_optim.outer.build_outer_optimizer`).
-            Exception: whatever the anchors' allocation raises. With ``agree``, each error on the ranks where it
-                happened, and a ``RuntimeError`` naming them on the others.
-        """
-        error: BaseException | None = None
-        try:
-            tensors = self._outer_part(tensors)
-            for outer in self._outer:
-                if outer is not None:
-                    outer.take(tensors)
-        except Exception as exc:  # noqa: BLE001 - raised below, on every rank with agree
-            for outer in self._outer:
-                if outer is not None:
-                    outer.drop()  # no level keeps anchors another level failed to take
-            error = exc
-        if agree:
-            agree_across_ranks(
-                TAKE_ANCHORS,
-                None,
-                self.process_group,
-                error=error,
-                fix="Every rank must build its outer optimizers over its anchors without error.",
-            )
-        if error is not None:
-            raise error
-        for m in self._metrics:
-            m.pseudo_grad_norm = None
 
     def due_level(self) -> int | None:
         """Index of the level that averages at the current count, or ``None``.
@@ -362,16 +185,40 @@ class HierarchicalAverager:
             return len(self.config.levels) - 1
         return level_at(self.step, self.config.levels, self.config.warmup_steps)
 
+    def begin_step(self, tensors: Callable[[], Sequence[torch.Tensor]]) -> None:
+        """Before the inner step of a wrapper: the checks of the first step after construction or a load.
+
+        Checks once that every rank resumed at the same count (:meth:`verify_step_if_loaded`). With outer
+        optimizers, takes the anchors a loaded checkpoint did not hold (:attr:`needs_anchors`): at the first
+        step, agreed across the process group, so that a factory failing on some ranks only raises on every
+        rank here, not as a hang at the next round; the ranks that need no anchors meet that agreement (the
+        same collective).
+
+        .. warning::
+            Collective over the process group at the first step after construction or a load.
+
+        Args:
+            tensors: Called only when anchors are taken; returns the tensors :meth:`take_anchors` gets.
+        """
+        first = self._verify_step_pending
+        self.verify_step_if_loaded()
+        if self.needs_anchors:
+            self.take_anchors(tensors(), agree=first)
+        elif first and self.has_outer:
+            self._outers.agree_taken(self.process_group)
+
     def step_and_average(
         self,
         tensors: Callable[[], Sequence[torch.Tensor]],
         *,
         check: Callable[[], BaseException | None] | None = None,
         context: Callable[[], Mapping[str, object]] | None = None,
+        inner_optimizer: object | None = None,
     ) -> int | None:
         """Average ``tensors()`` if the schedule says so at the current count, then advance the count.
 
-        Call it once per optimizer step, after the inner optimizer has stepped.
+        Call it once per optimizer step, after the inner optimizer has stepped (and, in a wrapper, after
+        :meth:`begin_step` before it).
 
         Args:
             tensors: Called only when averaging is due (and at the end of the warm-up, with outer
@@ -384,11 +231,16 @@ class HierarchicalAverager:
                 :meth:`average` before any averaging collective.
             context: Called only when averaging is due; returns what else the ranks of the subgroup
                 must agree on, by name (see :meth:`average`).
+            inner_optimizer: The optimizer that stepped, if its state should be repaired when the round gave
+                this rank the finite replicas' mean (``nonfinite="skip_replica"``): its NaN and infinities are
+                set to 0 (:func:`hieravg_optim.nonfinite.repair_skipped_replica_state`), else the next inner
+                step would write them back. Local; :attr:`replaced_at_step` tells the same to other callers.
 
         Returns:
             The index of the level that averaged, or ``None``.
         """
         self.verify_step_if_loaded()
+        count = self.step
         index = self.due_level()
         if index is not None:
             # A callback that raises on some ranks only is raised on every rank of the subgroup by the round's
@@ -406,11 +258,12 @@ class HierarchicalAverager:
             try:
                 chosen = tensors()
             except Exception as exc:  # noqa: BLE001 - the other ranks wait in take_anchors' agreement
-                raise_on_every_rank(exc, self.process_group, "taking the anchors of the outer optimizers")
+                raise_on_every_rank(exc, self.process_group, TAKE_ANCHORS)
             self.take_anchors(chosen, agree=True)  # the end of the warm-up
         self.step += 1
-        if self.log_metrics_every and self.step % self.log_metrics_every == 0:
-            logger.info("hierarchical averaging at step %d: %s", self.step, self.metrics())
+        self._log_metrics_if_due()
+        if inner_optimizer is not None and self.replaced_at_step == count:
+            repair_skipped_replica_state(inner_optimizer, count)
         return index
 
     def average(
@@ -420,22 +273,14 @@ class HierarchicalAverager:
         *,
         error: BaseException | None = None,
         context: Mapping[str, object] | None = None,
-    ) -> None:
+    ) -> bool:
         """Average ``tensors`` in place at level ``level_index`` now, whatever the count.
 
         ``level_index=-1`` averages at the top level: with ``ranks_per_replica=1``, over
         the whole process group.
 
-        At a level with an outer optimizer whose anchors are taken (:meth:`take_anchors`), the round
-        goes on after the in-place average gives ``mean``: the pseudo-gradient ``g = anchor - mean``
-        (torchft's sign: outer SGD with lr 1 and no momentum gives back ``mean``) is set as the
-        anchors' ``.grad``, the outer optimizer steps once, and the anchors are copied into ``tensors``
-        in place (cast to their dtype). The level's first round after :meth:`take_anchors` first
-        averages the anchors over the group too (one more all-reduce, in fp32). Then, after any level's
-        round (outer or plain), the anchors of every lower level with an outer optimizer are reset to
-        the new ``tensors``; higher levels keep theirs. Before the anchors are taken (warm-up rounds)
-        the level averages plainly. The outer step is local: every rank of the group holds the same
-        anchors, mean and outer state, so the replicas stay identical.
+        At a level with an outer optimizer whose anchors are taken, the mean gives the pseudo-gradient of one
+        outer step instead (see :func:`hieravg_optim.rounds.average_round` for the whole round).
 
         .. warning::
             Collective over this rank's subgroup at that level.
@@ -449,9 +294,10 @@ class HierarchicalAverager:
                 are frozen and skipped); part of the agreement check, so a disagreement is a
                 ``RuntimeError`` naming it on every rank, not averaging of different tensors.
 
-        With ``config.nonfinite`` other than ``"ignore"``, every rank first checks its tensors for NaN and
-        infinities (one reduction per tensor, see :func:`hieravg_optim.agreement.has_nonfinite`); the ranks
-        agree on the result in the agreement collective, with no extra round trip.
+        Returns:
+            Whether the round gave this rank the finite replicas' mean instead of averaging its tensors
+            (``nonfinite="skip_replica"``, this rank's replica non-finite); also recorded in
+            :attr:`replaced_at_step`.
 
         Raises:
             RuntimeError: if the ranks of the subgroup disagree on the tensors or ``context``, or another
@@ -467,161 +313,24 @@ class HierarchicalAverager:
             Exception: ``error``, if given.
         """
         level_index = range(len(self.level_groups))[level_index]
-        lg = self.level_groups[level_index]
-        metrics = self._metrics[level_index]
-        outer = self._outer[level_index]
-        if outer is not None and error is None:
-            error = self._outer_error(outer, tensors)
-        if outer is not None and outer.anchors is None:
-            outer = None  # warm-up: no anchors yet, plain averaging
-        if lg.group is None:
-            if error is not None:
-                raise error
-            start = time.perf_counter()
-            if outer is not None:
-                outer.step(self._outer_part(tensors))
-                metrics.pseudo_grad_norm = outer.pseudo_grad_norm
-            self._reset_lower_anchors(level_index, tensors)
-            metrics.rounds += 1
-            metrics.seconds += time.perf_counter() - start
-            return
-        start = time.perf_counter()
-        round_name = (
-            f"the averaging round at step {self.step} (period {lg.level.period}, group size {lg.level.group_size})"
-        )
-        with torch.no_grad(), named_collective(round_name, lg.ranks, timeout_s=self._timeout_s(lg)):
-            # Anchors not yet averaged over the group are local copies (taken at the end of the warm-up, or at
-            # construction) and enter this round's mean of anchors: a non-finite one is checked as the tensors are.
-            unsynced = outer is not None and not outer.synced
-            nonfinite = None
-            if self.config.nonfinite != "ignore":
-                try:
-                    local = has_nonfinite(tensors) or (unsynced and has_nonfinite(outer.anchors))
-                except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
-                    local, error = False, error or exc
-                # Over this rank's replica, not the level's group: a hung peer there is named as such.
-                with named_collective(
-                    f"the agreement of the replica's ranks on whether it is finite, before {round_name}",
-                    self._replica_ranks,
-                    timeout_s=self.config.collective_timeout_s,
-                ):
-                    nonfinite = replica_any(local, self._replica_group)
-            bad = check_agreement(
-                tensors,
-                lg.group,
-                lg.ranks,
-                context={
-                    "step count": self.step,
-                    "bucket_cap_mb": self.config.bucket_cap_mb,
-                    **self._outer_context(level_index),
-                    **(context or {}),
-                },
-                what=f"the parameters to average at step {self.step} (period {lg.level.period}, group size "
-                f"{lg.level.group_size})",
-                error=error,
-                nonfinite=nonfinite,
-            )
-            divisor = self._skip_nonfinite(lg, bad, tensors, round_name, anchors=unsynced) if bad else None
-            payload = average_tensors_(
-                tensors,
-                lg.group,
-                lg.size,
-                bucket_cap_bytes=self.config.bucket_cap_bytes,
-                pool=self.pool,
-                divisor=divisor,
-                comm_dtype=self.config.comm_dtype[level_index] if self.config.comm_dtype else None,
-                node=lg.node,
-                check_wire=self.config.nonfinite != "ignore",
-                what=round_name,
-                contribute_zeros=dist.get_rank() in bad,
-            )
-            if dist.get_rank() in bad:
-                self.replaced_at_step = self.step
-            if outer is not None:
-                if not outer.synced:
-                    payload += self._sync_anchors(outer, lg, self._outer_part(tensors), bad, divisor)
-                outer.step(self._outer_part(tensors))
-                metrics.pseudo_grad_norm = outer.pseudo_grad_norm
-        self._reset_lower_anchors(level_index, tensors)
-        metrics.rounds += 1
-        metrics.payload_bytes += payload
-        metrics.bytes_sent += bytes_sent(payload, lg)
-        metrics.seconds += time.perf_counter() - start
-
-    def _outer_part(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The local tensors of ``tensors`` that levels with an outer optimizer anchor (all but :attr:`outer_skip_last`)."""
-        return [local_tensor(t) for t in tensors[: len(tensors) - self.outer_skip_last]]
-
-    def _outer_context(self, level_index: int) -> dict[str, object]:
-        """What the ranks of a round at a level with an outer optimizer agree on besides the tensors.
-
-        Whether its anchors are taken, and whether they are known to be equal across the group (else this
-        round averages them first, one more all-reduce): a rank that took anchors the others did not
-        (``take_anchors`` on some ranks, a checkpoint loaded on some ranks) is then a ``RuntimeError`` on every
-        rank of the group, not a collective that only some ranks enter.
-        """
-        outer = self._outer[level_index]
-        if outer is None:
-            return {}
-        anchors = "not taken" if outer.anchors is None else "equal across the group" if outer.synced else "taken"
-        return {f"the anchors of the outer optimizer (period {outer.period})": anchors}
-
-    def _outer_error(self, outer: OuterLevel, tensors: Sequence[torch.Tensor]) -> BaseException | None:
-        """The local error of a round at a level with an outer optimizer, raised on every rank by its agreement."""
-        if outer.anchors is None:
-            if self.step < self.config.warmup_steps:
-                return None  # a synchronous warm-up round: plain averaging
-            return RuntimeError(
-                f"The level of period {outer.period} has an outer optimizer but no anchors at step {self.step} "
-                "(past the warm-up): call HierarchicalAverager.take_anchors(tensors) once the replicas are "
-                "equal (at construction, after any broadcast from the first replica), before the first round."
-            )
-        why = outer.mismatch(self._outer_part(tensors))
-        if why is None:
-            return None
-        return RuntimeError(
-            f"The tensors averaged at step {self.step} (period {outer.period}) differ from the level's anchors: "
-            f"{why}. The outer optimizer needs the same tensors at every round: keep the set of averaged (and "
-            "frozen) parameters fixed, or, after changing it (add_param_group, a parameter frozen or unfrozen), take "
-            "the anchors again on every rank (the outer optimizer restarts without momentum): "
-            "opt.averager.take_anchors(opt.tensors_to_average()) on the optimizer wrapper, or "
-            "HierarchicalAverager.take_anchors(tensors)."
-        )
-
-    def _sync_anchors(
-        self, outer: OuterLevel, lg: LevelGroup, tensors: Sequence[torch.Tensor], bad: list[int], divisor: int | None
-    ) -> int:
-        """Average ``outer``'s anchors over ``lg`` (fp32, on the tensors' devices); returns the payload in bytes.
-
-        Run at the level's first round after :meth:`take_anchors`, whose local copies may differ across
-        replicas (e.g. without a synchronous warm-up). Ranks skipped for non-finite tensors add nothing.
-        """
-        assert outer.anchors is not None
-        staged = [a if a.device == t.device else a.to(t.device) for a, t in zip(outer.anchors, tensors)]
-        payload = average_tensors_(
-            staged,
-            lg.group,
-            lg.size,
-            bucket_cap_bytes=self.config.bucket_cap_bytes,
+        replaced = average_round(
+            tensors,
+            config=self.config,
+            process_group=self.process_group,
+            level_index=level_index,
+            lg=self.level_groups[level_index],
+            step=self.step,
+            outers=self._outers,
+            metrics=self._metrics[level_index],
             pool=self.pool,
-            divisor=divisor,
-            node=lg.node,
-            contribute_zeros=dist.get_rank() in bad,
+            replica_group=self._replica_group,
+            replica_ranks=self._replica_ranks,
+            error=error,
+            context=context,
         )
-        for a, s in zip(outer.anchors, staged):
-            if a is not s:
-                a.copy_(s)
-        outer.synced = True
-        return payload
-
-    def _reset_lower_anchors(self, level_index: int, tensors: Sequence[torch.Tensor]) -> None:
-        """After a round at ``level_index``: the anchors of every lower level with an outer optimizer := ``tensors``."""
-        lower = [o for o in self._outer[:level_index] if o is not None and o.anchors is not None]
-        if lower:
-            local = self._outer_part(tensors)
-            for o in lower:
-                if o.mismatch(local) is None:
-                    o.reset(local)
+        if replaced:
+            self.replaced_at_step = self.step
+        return replaced
 
     @torch.no_grad()
     def broadcast_from_first_replica(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -648,7 +357,7 @@ class HierarchicalAverager:
         if top.group is None:
             return
         what = "the broadcast from the first replica at construction"
-        with named_collective(what, top.ranks, timeout_s=self._timeout_s(top)):
+        with named_collective(what, top.ranks, timeout_s=timeout_seconds(self.config, top.group)):
             check_agreement(
                 tensors,
                 top.group,
@@ -660,237 +369,19 @@ class HierarchicalAverager:
                 hand_over(t)
                 dist.broadcast(t, src=top.ranks[0], group=top.group)
 
-    def _group_timeout(self) -> timedelta | None:
-        """The timeout of groups created here: ``collective_timeout_s``, else that of the process group."""
-        if self.config.collective_timeout_s is not None:
-            return timedelta(seconds=self.config.collective_timeout_s)
-        return process_group_timeout(self.process_group)
+    @contextlib.contextmanager
+    def restoring_count_on_error(self) -> Iterator[None]:
+        """Load inside this block: if it raises, the count (and its check at the next step) is as before.
 
-    def _timeout_s(self, lg: LevelGroup) -> float | None:
-        """The timeout of ``lg``'s group in seconds, for error messages: the configured one, else the group's."""
-        if self.config.collective_timeout_s is not None:
-            return self.config.collective_timeout_s
-        timeout = process_group_timeout(lg.group) if lg.group is not None else None
-        return None if timeout is None else timeout.total_seconds()
-
-    def _skip_nonfinite(
-        self, lg: LevelGroup, bad: list[int], tensors: Sequence[torch.Tensor], round_name: str, *, anchors: bool
-    ) -> int:
-        """Apply :attr:`AveragingConfig.nonfinite` to the ranks ``bad`` of ``lg`` whose tensors are non-finite.
-
-        Every rank of the group gets the same ``bad`` (from :func:`check_agreement`), so every rank raises,
-        or every rank goes on to the same collective. Returns the number of finite replicas to divide by;
-        a non-finite rank then adds zeros to the sum (``average_tensors_(contribute_zeros=True)``). ``anchors``: the round also checked the level's anchors
-        (not yet averaged over the group), named in the messages.
+        For a wrapper that loads the count with :meth:`load_step_state` and then its inner optimizer, and must
+        leave everything unchanged when either rejects its part.
         """
-        rpr = self.config.ranks_per_replica
-        replicas = sorted({dist.get_group_rank(self.process_group, r) // rpr for r in bad})
-        named = f"rank{'s' if len(bad) > 1 else ''} {bad} (replica{'s' if len(replicas) > 1 else ''} {replicas})"
-        if anchors:
-            named = f"{named} (or in the anchors of the outer optimizer, taken there and not yet averaged)"
-        finite = lg.size - len(bad)
-        if self.config.nonfinite == "raise" or finite == 0:
-            cause = (
-                "every replica of the group holds non-finite values, so there is no finite replica to average"
-                if finite == 0
-                else 'averaging would spread them to every replica of the group (nonfinite="raise")'
-            )
-            raise RuntimeError(
-                f"Non-finite values (NaN or infinity) in the tensors of {named} before {round_name}, in the group of "
-                f"ranks {list(lg.ranks)}: {cause}. Every rank of the group raises. Lower the learning rate or clip "
-                'the gradients, resume from an earlier checkpoint, or pass nonfinite="skip_replica" to average the '
-                "finite replicas only and give the others that mean."
-            )
-        if dist.get_rank() == lg.ranks[0]:
-            logger.warning(
-                "%s: non-finite values in %s; averaging the %d finite replicas of the group of ranks %s, and giving "
-                "the others their mean (nonfinite=\"skip_replica\")",
-                round_name,
-                named,
-                finite,
-                list(lg.ranks),
-            )
-        return finite
-
-    def metrics(self) -> dict[int, dict[str, Any]]:
-        """What each level has done on this rank since construction; local, no collective.
-
-        Returns:
-            A new dict per call, keyed by period (steps), in level order; each value is
-            :class:`LevelMetrics` as a plain dict of ints, floats and ``None``: ``period``,
-            ``group_size``, ``subgroup_size``, ``rounds``, ``payload_bytes``, ``bytes_sent``
-            (bytes), ``seconds``, ``outer_bytes`` (bytes of fp32 anchors plus outer optimizer state
-            held now) and ``pseudo_grad_norm`` (at the level's last round, or ``None``). Example
-            for ``{4: 2, 8: 4}`` after 16 steps on 4 ranks
-            of float32 parameters of 1,000 elements: ``{4: {"rounds": 2, "payload_bytes": 8000,
-            "bytes_sent": 8000, ...}, 8: {"rounds": 2, "payload_bytes": 8000, "bytes_sent": 12000, ...}}``.
-        """
-        for m, outer in zip(self._metrics, self._outer):
-            m.outer_bytes = 0 if outer is None else outer.nbytes()
-        return {m.period: asdict(m) for m in self._metrics}
-
-    def state_dict(self) -> dict[str, Any]:
-        """The averaging state: the step count and, for checking on resume, the levels and the warm-up.
-
-        With outer optimizers whose anchors are taken, also ``"outer"``: ``{period: {"anchors": [Tensor,
-        ...], "optimizer": outer_optimizer.state_dict(), "synced": bool}}``, this rank's fp32 anchors (its
-        shards; the tensors themselves, not copies) and outer optimizer state, per level with an outer optimizer.
-        """
-        state: dict[str, Any] = {
-            "step": self.step,
-            "levels": [[lv.period, lv.group_size] for lv in self.config.levels],
-            "warmup_steps": self.config.warmup_steps,
-            "synchronous_warmup": self.config.synchronous_warmup,
-        }
-        outer = {o.period: o.state_dict() for o in self._outer if o is not None and o.anchors is not None}
-        if outer:
-            state["outer"] = outer
-        return state
-
-    def check_outer_state(
-        self, state: Mapping[str, Any], tensors: Sequence[torch.Tensor] | None = None
-    ) -> dict[int, tuple] | None:
-        """Validate the ``"outer"`` entry of an averaging state; changes nothing. Local, no collective.
-
-        Args:
-            state: The averaging state dict.
-            tensors: This rank's tensors to average (as :meth:`average` gets them), if known: anchors saved
-                for other numbers or shapes are then rejected even before this rank has anchors of its own
-                (during a warm-up), and anchors loaded then are put with these tensors (or on
-                ``outer_state_device``), not wherever the checkpoint was mapped.
-
-        Returns:
-            What :meth:`load_outer_state` restores: ``{period: (anchors, optimizer state, synced, tensors)}``,
-            or ``None`` when this averager has no outer optimizer.
-
-        Warns (``UserWarning``) for saved periods that have no outer optimizer here: they are not loaded.
-
-        Raises:
-            ValueError: naming the period and the mismatch, for a malformed entry, anchors whose number or
-                shapes differ from this rank's anchors (or ``tensors``), or an outer optimizer state the level's
-                outer optimizer rejects (a dry run on meta tensors, see ``docs/outer.md``).
-        """
-        saved = state.get("outer") if isinstance(state, Mapping) else None
-        if not self.has_outer:
-            if saved:
-                warn_at_caller(
-                    f"The averaging state dict holds anchors and outer optimizer state for periods "
-                    f"{sorted(map(str, saved))}, but this averager has no outer optimizer: they are not loaded. Pass "
-                    "the same outer_optimizers as the saved run to resume it."
-                )
-            return None
-        if saved is None:
-            return {}
-        if not isinstance(saved, Mapping):
-            raise ValueError(
-                f"The 'outer' entry of the averaging state dict must be a mapping {{period: {{'anchors': ..., "
-                f"'optimizer': ...}}}}, as HierarchicalAverager.state_dict() returns, got {type(saved).__name__}."
-            )
-        by_period = {}
-        for key, value in saved.items():
-            period = period_of_key(key) or key
-            by_period[period] = value
-        local = None if tensors is None else self._outer_part(tensors)
-        parsed = {}
-        for outer in self._outer:
-            if outer is not None and outer.period in by_period:
-                parsed[outer.period] = (*outer.check_state(by_period[outer.period], local), local)
-        ignored = [p for p in by_period if p not in parsed]
-        if ignored:
-            warn_at_caller(
-                f"The averaging state dict holds anchors and outer optimizer state for period"
-                f"{'s' if len(ignored) > 1 else ''} {ignored}, which ha{'ve' if len(ignored) > 1 else 's'} no outer "
-                f"optimizer here (outer optimizers at {list(self.outer_periods)}): not loaded."
-            )
-        return parsed
-
-    def load_outer_state(self, parsed: dict[int, tuple] | None) -> None:
-        """Restore :meth:`check_outer_state`'s output (anchors and outer optimizer state); local.
-
-        A level with an outer optimizer that the checkpoint has no anchors for, past the warm-up, gets
-        fresh anchors: every level's anchors are dropped and taken again (:attr:`needs_anchors`), with a
-        ``UserWarning``.
-        """
-        if parsed is None:
-            return
-        missing = [o.period for o in self._outer if o is not None and o.period not in parsed]
-        for outer in self._outer:
-            if outer is not None and outer.period in parsed:
-                outer.load(*parsed[outer.period])
-        if missing and self.step >= self.config.warmup_steps:
-            for outer in self._outer:
-                if outer is not None:
-                    outer.drop()
-            warn_at_caller(
-                f"Resuming hierarchical averaging at step {self.step}, but the checkpoint has no anchors or outer "
-                f"optimizer state for period{'s' if len(missing) > 1 else ''} {missing}: every level with an outer "
-                "optimizer takes fresh anchors from the current parameters before the next step, and its outer "
-                "optimizer starts afresh (momentum lost). Save the checkpoint with state_dict() of a run with the "
-                "same outer_optimizers to resume exactly."
-            )
-
-    def load_state_dict(self, state: Mapping[str, Any], tensors: Sequence[torch.Tensor] | None = None) -> None:
-        """Restore :meth:`state_dict`'s output. The count is checked across ranks at the next step.
-
-        With outer optimizers, the anchors and outer optimizer state of ``"outer"`` are restored too
-        (see :meth:`check_outer_state`, :meth:`load_outer_state`; ``tensors`` as there).
-
-        Raises:
-            ValueError: if ``state`` has no ``"step"``, or it is not a non-negative integer (a float,
-                a string, ``None``: never silently truncated or reset); for a malformed ``"outer"`` entry or
-                anchors of other numbers or shapes. Nothing is changed then.
-
-        Warns (``UserWarning``, at the caller) when the saved levels, ``warmup_steps`` or
-        ``synchronous_warmup`` differ from this averager's: the run continues with the new ones; when the
-        checkpoint has no anchors for a level with an outer optimizer past the warm-up (fresh anchors).
-        """
-        outer = self.check_outer_state(state, tensors)
-        self.load_step_state(state)
-        self.load_outer_state(outer)
-
-    def load_step_state(self, state: Mapping[str, Any]) -> None:
-        """:meth:`load_state_dict` without the ``"outer"`` entry: the count and the schedule checks.
-
-        Wrappers that must leave everything unchanged when the inner optimizer rejects its part call
-        :meth:`check_outer_state` first, then this, then the inner load, then :meth:`load_outer_state`.
-        """
-        if not isinstance(state, Mapping) or "step" not in state:
-            raise ValueError(
-                f"The averaging state must be a mapping with the averaging step count under 'step', as "
-                f"HierarchicalAverager.state_dict() returns, got {state!r}."
-            )
-        step = state["step"]
-        if torch.is_tensor(step) and step.numel() == 1 and not step.is_floating_point():
-            step = int(step)
-        if not is_int(step) or step < 0:
-            raise ValueError(
-                f"The averaging step count 'step' in the state dict must be a non-negative integer (optimizer "
-                f"steps), got {step!r} ({type(step).__name__}). Load the state dict this library or torch's "
-                "PostLocalSGDOptimizer saved."
-            )
-        self.step = int(step)
-        saved = [tuple(x) for x in state.get("levels", [])]
-        current = [(lv.period, lv.group_size) for lv in self.config.levels]
-        if saved and saved != current:
-            warn_at_caller(
-                f"Resuming hierarchical averaging at step {self.step} with levels {current}, but the checkpoint "
-                f"was saved with levels {saved}. The schedule continues from the saved count with the new levels."
-            )
-        saved_warmup = state.get("warmup_steps")
-        if saved_warmup is not None and saved_warmup != self.config.warmup_steps:
-            warn_at_caller(
-                f"Resuming hierarchical averaging at step {self.step} with warmup_steps={self.config.warmup_steps}, "
-                f"but the checkpoint was saved with warmup_steps={saved_warmup}. The new warm-up applies."
-            )
-        saved_sync = state.get("synchronous_warmup")
-        if saved_sync is not None and bool(saved_sync) != self.config.synchronous_warmup:
-            # Warm-up counts average at the top level or not at all: another setting is another schedule.
-            warn_at_caller(
-                f"Resuming hierarchical averaging at step {self.step} with synchronous_warmup="
-                f"{self.config.synchronous_warmup}, but the checkpoint was saved with synchronous_warmup={saved_sync}. "
-                "The new setting applies to the remaining warm-up counts; pass the saved value to keep the schedule."
-            )
-        self._verify_step_pending = True
+        previous = (self.step, self._verify_step_pending)
+        try:
+            yield
+        except BaseException:
+            self.step, self._verify_step_pending = previous
+            raise
 
     def verify_step_if_loaded(self) -> None:
         """After a load, check once that every rank resumed at the same count (collective over the group)."""

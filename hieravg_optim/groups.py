@@ -37,8 +37,10 @@ __all__ = [
     "NodeGroups",
     "averaging_subgroup_ranks",
     "build_level_groups",
+    "group_timeout",
     "node_split_ranks",
     "process_group_timeout",
+    "timeout_seconds",
 ]
 
 logger = logging.getLogger(__name__)
@@ -95,6 +97,21 @@ def averaging_subgroup_ranks(world_size: int, group_size: int, ranks_per_replica
     return subgroups
 
 
+def group_timeout(config: AveragingConfig, process_group: dist.ProcessGroup) -> timedelta | None:
+    """The timeout of the groups created for ``config``: ``collective_timeout_s``, else that of ``process_group``."""
+    if config.collective_timeout_s is not None:
+        return timedelta(seconds=config.collective_timeout_s)
+    return process_group_timeout(process_group)
+
+
+def timeout_seconds(config: AveragingConfig, group: dist.ProcessGroup | None) -> float | None:
+    """The timeout of ``group`` in seconds, for error messages: ``collective_timeout_s``, else the group's own."""
+    if config.collective_timeout_s is not None:
+        return config.collective_timeout_s
+    timeout = process_group_timeout(group) if group is not None else None
+    return None if timeout is None else timeout.total_seconds()
+
+
 def node_split_ranks(subgroup: list[int], ranks_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
     """Split one averaging subgroup (ranks in the overall group) by node; pure, no collective.
 
@@ -143,7 +160,7 @@ def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup
     local_sync = world_size != dist.get_world_size()
     # With a timeout of its own, the top level cannot reuse ``pg`` (which keeps the process group's timeout).
     own_timeout = config.collective_timeout_s is not None
-    timeout = timedelta(seconds=config.collective_timeout_s) if own_timeout else process_group_timeout(pg)
+    timeout = group_timeout(config, pg)
     cache: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 
     def ensure_group(ranks: tuple[int, ...]) -> None:

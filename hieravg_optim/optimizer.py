@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .agreement import agree_across_ranks, raise_on_every_rank
-from .averager import TAKE_ANCHORS, HierarchicalAverager, LevelMetrics, check_log_metrics_every, check_outer, local_tensor
+from .agreement import raise_on_every_rank
+from .averager import HierarchicalAverager, LevelMetrics, check_log_metrics_every, check_outer, local_tensor
 from .checks import (
     add_checked_param_group,
     check_dtensor_layout,
@@ -36,7 +36,6 @@ from .inner import (
     initialize_state_step,
     inner_step,
     split_count,
-    repair_skipped_replica_state,
 )
 from .outer import OuterFactory
 from .schedule import AveragingLevel
@@ -405,38 +404,20 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, closure: Callable[[], float] | None = None):
-        # The first step after construction or a load: every rank of the process group is here, at the same count.
-        first = self.averager._verify_step_pending
-        self.averager.verify_step_if_loaded()
         made = self.__dict__.pop("_initialized_state", None)
         if made is not None:
             drop_initialized_state(self.optimizer, made)
-        if self.averager.needs_anchors:  # a checkpoint without anchors was loaded
-            # Agreed at the first step after the load, so that a factory failing on some ranks only raises on
-            # every rank here, not as a hang at the next round.
-            self.averager.take_anchors(self.tensors_to_average(), agree=first)
-        elif first and self.averager.has_outer:
-            # The ranks that need no anchors meet the agreement of those that take them (the same collective).
-            agree_across_ranks(
-                TAKE_ANCHORS,
-                None,
-                self.averager.process_group,
-                fix="Every rank must build its outer optimizers over its anchors without error.",
-            )
+        self.averager.begin_step(self.tensors_to_average)
         loss = inner_step(
             self.optimizer, closure, getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         )
-        count = self.averager.step
-        self.averager.step_and_average(self.tensors_to_average, check=self._round_error, context=self._frozen_context)
-        if self.averager.replaced_at_step == count:
-            self._repair_inner_state(count)
+        self.averager.step_and_average(
+            self.tensors_to_average,
+            check=self._round_error,
+            context=self._frozen_context,
+            inner_optimizer=self.optimizer,
+        )
         return loss
-
-    def _repair_inner_state(self, count: int) -> None:
-        """After a round replaced this replica's tensors (``nonfinite="skip_replica"``): zero the non-finite
-        elements of the inner optimizer's state, which the next inner step would write back (see
-        :func:`hieravg_optim.inner.zero_nonfinite_state`). Local, no collective."""
-        repair_skipped_replica_state(self.optimizer, count)
 
     def _round_error(self) -> BaseException | None:
         """Local checks of an averaging round, raised on every rank of the subgroup by the round's agreement.
@@ -553,20 +534,15 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         outer = self.averager.check_outer_state(
             averaging_state, self.tensors_to_average() if self._tensors_fn is None else None
         )
-        previous = (self.averager.step, self.averager._verify_step_pending)
-        self.averager.load_step_state(averaging_state)
-        if averaging_step is not None and averaging_step != self.averager.step:
-            self.averager.step, self.averager._verify_step_pending = previous
-            raise ValueError(
-                f"load_state_dict(averaging_step={averaging_step!r}) differs from the count {where} of the state "
-                f"dict holds ({self.averager.step}): pass averaging_step only for a state dict without a count, "
-                "or the same value."
-            )
-        try:
+        with self.averager.restoring_count_on_error():
+            self.averager.load_step_state(averaging_state)
+            if averaging_step is not None and averaging_step != self.averager.step:
+                raise ValueError(
+                    f"load_state_dict(averaging_step={averaging_step!r}) differs from the count {where} of the state "
+                    f"dict holds ({self.averager.step}): pass averaging_step only for a state dict without a count, "
+                    "or the same value."
+                )
             self.optimizer.load_state_dict(inner)
-        except BaseException:
-            self.averager.step, self.averager._verify_step_pending = previous
-            raise
         self.averager.load_outer_state(outer)
         self.__dict__.pop("_initialized_state", None)  # a loaded state is never dropped at the next step
         for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):

@@ -8,11 +8,11 @@ the tensors then take the anchor's new value (DiLoCo, https://arxiv.org/abs/2311
 level; HALoS, https://arxiv.org/abs/2506.04531, one outer optimizer per level of a hierarchy;
 the sign is torchft's, so that outer SGD with lr 1 and no momentum gives back the mean).
 
-This module holds the pieces the averager drives: the validation of ``outer_optimizers``
-(:func:`check_outer_optimizers`), the usual factory (:func:`nesterov_outer`), and the
-per-level state (:class:`OuterLevel`: the fp32 anchors and the outer optimizer). Everything
-here is local (no collective): :class:`~hieravg_optim.HierarchicalAverager` runs the
-averaging round and calls in.
+This module holds the outer optimizers' factories: the validation of ``outer_optimizers``
+(:func:`check_outer_optimizers`, :func:`check_outer`), the probe of each factory, the build of
+an outer optimizer, and the usual factory (:func:`nesterov_outer`). The per-level state at run
+time (anchors, the outer step) is :mod:`hieravg_optim.anchors`. Everything here is local (no
+collective).
 """
 
 from __future__ import annotations
@@ -24,15 +24,18 @@ from typing import Any
 
 import torch
 
+from .config import AveragingConfig
 from .schedule import AveragingLevel, entries_by_period
 
 __all__ = [
     "OuterFactory",
-    "OuterLevel",
     "build_outer_optimizer",
+    "check_outer",
     "check_outer_optimizers",
     "check_outer_state_device",
+    "dry_step",
     "nesterov_outer",
+    "probe_factory",
 ]
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -292,6 +295,29 @@ def _check_hyperparameters(optimizer: torch.optim.Optimizer, name: str, factory:
         )
 
 
+def check_outer(
+    config: AveragingConfig,
+    outer_optimizers: Mapping[int | str, OuterFactory] | None,
+    outer_state_device: str | torch.device | None,
+) -> tuple[dict[int, OuterFactory], torch.device | None, dict[int, object]]:
+    """Validate ``outer_optimizers`` and ``outer_state_device`` against ``config``; local, no collective.
+
+    Each factory is probed on one small tensor (see :func:`probe_factory`).
+
+    Returns:
+        ``(factories, device, kinds)``: ``{period: factory}``, the device or ``None``, and per period the
+        outer optimizer's class and hyperparameters, which the ranks agree on at construction.
+
+    Raises:
+        TypeError, ValueError: see :func:`check_outer_optimizers` and :func:`check_outer_state_device`.
+    """
+    factories = check_outer_optimizers(outer_optimizers, config.levels)
+    device = check_outer_state_device(outer_state_device)
+    sizes = {lv.period: lv.group_size for lv in config.levels}
+    kinds = {period: probe_factory(period, factory, sizes[period]) for period, factory in factories.items()}
+    return factories, device, kinds
+
+
 def _meta_state(value: object) -> object:
     """``value`` with every tensor of one or more dimensions replaced by a meta tensor of its shape (no memory),
     and every scalar tensor cloned: an outer optimizer state dict a dry run may load and step."""
@@ -305,7 +331,7 @@ def _meta_state(value: object) -> object:
 
 
 @torch.no_grad()
-def _dry_step(factory: OuterFactory, anchors: Sequence[torch.Tensor], state: Mapping[str, Any] | None) -> None:
+def dry_step(factory: OuterFactory, anchors: Sequence[torch.Tensor], state: Mapping[str, Any] | None) -> None:
     """Build the outer optimizer over meta copies of ``anchors``, load ``state`` (if any) and step once."""
     params = [torch.empty_like(a, device="meta") for a in anchors]
     optimizer = factory(params)
@@ -314,217 +340,3 @@ def _dry_step(factory: OuterFactory, anchors: Sequence[torch.Tensor], state: Map
     for p in params:
         p.grad = torch.empty_like(p)
     optimizer.step()
-
-
-def _tensor_bytes(value: object) -> int:
-    if torch.is_tensor(value):
-        return value.numel() * value.element_size()
-    if isinstance(value, Mapping):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
-class OuterLevel:
-    """One level's outer state on this rank: fp32 anchors (sharded like the tensors) and the outer optimizer.
-
-    Local: no method here communicates. The anchors are taken with :meth:`take`, stepped with
-    :meth:`step` after the level's all-reduce, and reset to a higher level's result with :meth:`reset`.
-
-    Memory: one fp32 copy of this rank's averaged tensors (their local shards), plus the outer
-    optimizer's state (SGD with momentum: one more fp32 copy), on ``device`` (else each tensor's own).
-    :meth:`step` allocates one fp32 pseudo-gradient per tensor for the duration of the step.
-    """
-
-    def __init__(
-        self, period: int, factory: OuterFactory, device: torch.device | None, group_size: int | None = None
-    ) -> None:
-        self.period = period
-        self.group_size = group_size
-        """The level's group size, in ranks, for error messages (``None``: not known)."""
-        self.factory = factory
-        self.device = device
-        self.anchors: list[torch.Tensor] | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.synced = False
-        """Whether the anchors are known to be equal on every rank of the level's group (after a round)."""
-        self.pseudo_grad_norm: float | None = None
-        """L2 norm of this rank's pseudo-gradient at the level's last round (``None`` before the first)."""
-
-    # -- anchors -----------------------------------------------------------------------------------
-    def take(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Anchor = an fp32 copy of each tensor; build a fresh outer optimizer over the anchors.
-
-        Raises:
-            TypeError, ValueError, RuntimeError: from :func:`build_outer_optimizer`, naming the level.
-        """
-        anchors = [
-            t.detach().to(device=self.device or t.device, dtype=torch.float32, copy=True) for t in tensors
-        ]
-        optimizer = build_outer_optimizer(self.period, self.group_size, self.factory, anchors)
-        self.anchors, self.optimizer, self.synced = anchors, optimizer, False
-
-    @torch.no_grad()
-    def reset(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy ``tensors`` (a higher level's result, equal on every rank of this level's group) into the anchors.
-
-        The outer optimizer's state (momentum) is kept, as in HALoS.
-        """
-        assert self.anchors is not None and len(tensors) == len(self.anchors)
-        for a, t in zip(self.anchors, tensors):
-            a.copy_(t)
-        self.synced = True
-
-    def mismatch(self, tensors: Sequence[torch.Tensor]) -> str | None:
-        """Why ``tensors`` cannot be stepped with these anchors (their number or shapes differ), or ``None``."""
-        assert self.anchors is not None
-        if len(tensors) != len(self.anchors):
-            return f"{len(tensors)} tensors to average, but {len(self.anchors)} anchors"
-        for i, (a, t) in enumerate(zip(self.anchors, tensors)):
-            if a.shape != t.shape:
-                return f"tensor {i} has shape {tuple(t.shape)}, its anchor {tuple(a.shape)}"
-        return None
-
-    # -- the outer step ----------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, tensors: Sequence[torch.Tensor]) -> None:
-        """``g = anchor - mean``; one outer step on the anchors; copy the anchors into ``tensors``.
-
-        ``tensors`` hold the level's mean (after the all-reduce) and get the new anchors, cast to
-        their dtype, in place.
-        """
-        assert self.anchors is not None and self.optimizer is not None
-        grads = []
-        for a, t in zip(self.anchors, tensors):
-            g = a - t.to(device=a.device, dtype=torch.float32)
-            a.grad = g
-            grads.append(g)
-        # One host transfer per device, not one per tensor.
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(torch.linalg.vector_norm(g, dtype=torch.float64))
-        squares = sum(float(torch.stack(norms).square().sum()) for norms in by_device.values())
-        self.pseudo_grad_norm = math.sqrt(squares)
-        try:
-            self.optimizer.step()
-        finally:  # the pseudo-gradient is never kept, not even when the outer step raises
-            for a in self.anchors:
-                a.grad = None
-        for a, t in zip(self.anchors, tensors):
-            t.copy_(a)
-        self.synced = True
-
-    # -- accounting and checkpoints ----------------------------------------------------------------
-    def nbytes(self) -> int:
-        """Bytes held on this rank: the anchors plus every tensor of the outer optimizer's state."""
-        if self.anchors is None:
-            return 0
-        state = self.optimizer.state if self.optimizer is not None else {}
-        return _tensor_bytes(self.anchors) + sum(_tensor_bytes(s) for s in state.values())
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"anchors": [Tensor, ...], "optimizer": outer_optimizer.state_dict(), "synced": bool}``."""
-        assert self.anchors is not None and self.optimizer is not None
-        return {"anchors": list(self.anchors), "optimizer": self.optimizer.state_dict(), "synced": self.synced}
-
-    def check_state(
-        self, state: object, tensors: Sequence[torch.Tensor] | None = None
-    ) -> tuple[list[torch.Tensor], Mapping[str, Any], bool]:
-        """Validate one level's saved state; return ``(anchors, optimizer state dict, synced)``. Changes nothing.
-
-        Raises:
-            ValueError: naming the period and the mismatch, for a malformed entry, anchors that are not
-                float32, or anchors whose number or shapes differ from the current ones (this rank's anchors,
-                else ``tensors`` when given).
-        """
-        where = f"The outer state of period {self.period} in the averaging state dict"
-        if not isinstance(state, Mapping) or "anchors" not in state or "optimizer" not in state:
-            keys = f" with keys {sorted(map(str, state))}" if isinstance(state, Mapping) else ""
-            raise ValueError(
-                f"{where} must be a mapping with 'anchors' and 'optimizer', as HierarchicalAverager.state_dict() "
-                f"returns, got {type(state).__name__}{keys}."
-            )
-        anchors = state["anchors"]
-        if not isinstance(anchors, (list, tuple)) or not all(torch.is_tensor(a) for a in anchors):
-            raise ValueError(f"{where}: 'anchors' must be a list of tensors, got {type(anchors).__name__}.")
-        for i, a in enumerate(anchors):
-            if a.dtype != torch.float32:
-                raise ValueError(
-                    f"{where}: anchor {i} is {str(a.dtype).removeprefix('torch.')}, but anchors are float32 copies of "
-                    "the averaged tensors (as HierarchicalAverager.state_dict() saves them): load a checkpoint this "
-                    "library saved, unchanged; loading would round the anchors or fail at the next round."
-                )
-        if not isinstance(state["optimizer"], Mapping):
-            raise ValueError(
-                f"{where}: 'optimizer' must be the outer optimizer's state_dict(), got "
-                f"{type(state['optimizer']).__name__}."
-            )
-        groups = state["optimizer"].get("param_groups")
-        if isinstance(groups, (list, tuple)):
-            held = sum(len(g.get("params", ())) for g in groups if isinstance(g, Mapping))
-            if held != len(anchors):
-                raise ValueError(
-                    f"{where}: its outer optimizer state covers {held} tensors but it holds {len(anchors)} anchors: "
-                    "save and load the state dict HierarchicalAverager.state_dict() returns, unchanged."
-                )
-        reference = self.anchors if self.anchors is not None else tensors
-        if reference is not None:
-            if len(anchors) != len(reference):
-                raise ValueError(
-                    f"{where} holds {len(anchors)} anchors, but this rank averages {len(reference)} tensors: load "
-                    "the checkpoint of the same model, with the same parameters averaged (and frozen)."
-                )
-            for i, (saved, mine) in enumerate(zip(anchors, reference)):
-                if saved.shape != mine.shape:
-                    raise ValueError(
-                        f"{where}: anchor {i} has shape {tuple(saved.shape)}, but this rank's tensor {i} has shape "
-                        f"{tuple(mine.shape)}: load the checkpoint of the same model and sharding."
-                    )
-        self._check_loadable(where, anchors, state["optimizer"])
-        return list(anchors), state["optimizer"], bool(state.get("synced", True))
-
-    def _check_loadable(self, where: str, anchors: Sequence[torch.Tensor], optimizer_state: Mapping[str, Any]) -> None:
-        """Raise ``ValueError`` if the outer optimizer rejects ``optimizer_state``: a dry run on meta tensors.
-
-        The factory's optimizer is built over meta copies of ``anchors`` (no memory), loads the saved state
-        and steps once, so that a state torch.optim rejects, or one of another optimizer class or with buffers
-        of other shapes, fails here, before anything is loaded, and not halfway through loading or at the next
-        round. Skipped if the optimizer cannot step on meta tensors without any state loaded.
-        """
-        try:
-            _dry_step(self.factory, anchors, None)
-        except Exception:  # noqa: BLE001 - an optimizer that needs real tensors: no dry run
-            return
-        try:
-            _dry_step(self.factory, anchors, optimizer_state)
-        except Exception as exc:  # noqa: BLE001 - whatever the optimizer raises names the fault
-            raise ValueError(
-                f"{where} is rejected by the outer optimizer outer_optimizers[{self.period}] builds "
-                f"({type(exc).__name__}: {exc}): load a checkpoint saved with the same outer optimizer (class and "
-                "parameter groups) and the same model. Nothing was loaded."
-            ) from exc
-
-    @torch.no_grad()
-    def load(
-        self,
-        anchors: list[torch.Tensor],
-        optimizer_state: Mapping[str, Any],
-        synced: bool,
-        tensors: Sequence[torch.Tensor] | None = None,
-    ) -> None:
-        """Restore :meth:`check_state`'s output: into the current anchors and outer optimizer if any (the same
-        objects, so references to them stay valid), else into new fp32 anchors and a new outer optimizer."""
-        if self.anchors is None or self.optimizer is None:
-            # New anchors where take() puts them (outer_state_device, else with ``tensors``), not wherever the
-            # checkpoint was mapped (map_location="cpu" would keep them in host memory for the rest of the run).
-            self.take(tensors if tensors is not None else anchors)
-        assert self.anchors is not None and self.optimizer is not None
-        for mine, saved in zip(self.anchors, anchors):
-            mine.copy_(saved)
-        self.optimizer.load_state_dict(optimizer_state)
-        self.synced = synced
-
-    def drop(self) -> None:
-        """Forget the anchors and the outer optimizer (they are taken again with :meth:`take`)."""
-        self.anchors, self.optimizer, self.synced = None, None, False

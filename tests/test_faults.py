@@ -38,7 +38,7 @@ def _train_until_fault(
     """Step until the fault; the victim injects it at the round of step count ``count``: after the round's
     agreement or, ``sharded`` (2 replicas of 2 shards, one level of 4), before its replica's finiteness check."""
     from hieravg_optim import HierarchicalAveragingOptimizer
-    from hieravg_optim import averager as averager_module
+    from hieravg_optim import rounds as averager_module
 
     param = nn.Parameter(torch.full((1000,), float(rank)))
     opt = HierarchicalAveragingOptimizer(

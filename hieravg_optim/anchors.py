@@ -1,0 +1,390 @@
+"""Outer optimizers at run time: each level's fp32 anchors and outer optimizer, and the collection of them.
+
+:class:`OuterLevel` is one level's state on this rank (take, step, reset, save and load), and
+:class:`OuterLevels` the levels of one averager: taking and dropping the anchors of every level together,
+what a round at a level agrees on and its local error, and the reset of the lower levels after a round.
+:class:`OuterAnchorsMixin` is the averager's public face of them (``take_anchors``, ``outer_optimizer``, ...).
+The factories and their checks are :mod:`hieravg_optim.outer`. Nothing here communicates, except
+:meth:`OuterLevels.take` and :meth:`OuterLevels.agree_taken` (one agreement over the process group).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .agreement import agree_across_ranks
+from .outer import OuterFactory, build_outer_optimizer
+from .schedule import AveragingLevel
+from .tensors import local_tensor
+
+__all__ = ["TAKE_ANCHORS", "OuterAnchorsMixin", "OuterLevel", "OuterLevels"]
+
+TAKE_ANCHORS = "taking the anchors of the outer optimizers"
+"""What :meth:`OuterLevels.take` agrees on (with ``agree_over``); ranks that take no anchors at that point
+meet it with :meth:`OuterLevels.agree_taken`, the same collective."""
+
+_TAKE_FIX = "Every rank must build its outer optimizers over its anchors without error."
+
+
+def _tensor_bytes(value: object) -> int:
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, Mapping):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+class OuterLevel:
+    """One level's outer state on this rank: fp32 anchors (sharded like the tensors) and the outer optimizer.
+
+    Local: no method here communicates. The anchors are taken with :meth:`take`, stepped with
+    :meth:`step` after the level's all-reduce, and reset to a higher level's result with :meth:`reset`.
+
+    Memory: one fp32 copy of this rank's averaged tensors (their local shards), plus the outer
+    optimizer's state (SGD with momentum: one more fp32 copy), on ``device`` (else each tensor's own).
+    :meth:`step` allocates one fp32 pseudo-gradient per tensor for the duration of the step.
+    """
+
+    def __init__(
+        self, period: int, factory: OuterFactory, device: torch.device | None, group_size: int | None = None
+    ) -> None:
+        self.period = period
+        self.group_size = group_size
+        """The level's group size, in ranks, for error messages (``None``: not known)."""
+        self.factory = factory
+        self.device = device
+        self.anchors: list[torch.Tensor] | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.synced = False
+        """Whether the anchors are known to be equal on every rank of the level's group (after a round)."""
+        self.pseudo_grad_norm: float | None = None
+        """L2 norm of this rank's pseudo-gradient at the level's last round (``None`` before the first)."""
+
+    # -- anchors -----------------------------------------------------------------------------------
+    def take(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Anchor = an fp32 copy of each tensor; build a fresh outer optimizer over the anchors.
+
+        Raises:
+            TypeError, ValueError, RuntimeError: from :func:`build_outer_optimizer`, naming the level.
+        """
+        anchors = [
+            t.detach().to(device=self.device or t.device, dtype=torch.float32, copy=True) for t in tensors
+        ]
+        optimizer = build_outer_optimizer(self.period, self.group_size, self.factory, anchors)
+        self.anchors, self.optimizer, self.synced = anchors, optimizer, False
+
+    @torch.no_grad()
+    def reset(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy ``tensors`` (a higher level's result, equal on every rank of this level's group) into the anchors.
+
+        The outer optimizer's state (momentum) is kept, as in HALoS.
+        """
+        assert self.anchors is not None and len(tensors) == len(self.anchors)
+        for a, t in zip(self.anchors, tensors):
+            a.copy_(t)
+        self.synced = True
+
+    def mismatch(self, tensors: Sequence[torch.Tensor]) -> str | None:
+        """Why ``tensors`` cannot be stepped with these anchors (their number or shapes differ), or ``None``."""
+        assert self.anchors is not None
+        if len(tensors) != len(self.anchors):
+            return f"{len(tensors)} tensors to average, but {len(self.anchors)} anchors"
+        for i, (a, t) in enumerate(zip(self.anchors, tensors)):
+            if a.shape != t.shape:
+                return f"tensor {i} has shape {tuple(t.shape)}, its anchor {tuple(a.shape)}"
+        return None
+
+    # -- the outer step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, tensors: Sequence[torch.Tensor]) -> None:
+        """``g = anchor - mean``; one outer step on the anchors; copy the anchors into ``tensors``.
+
+        ``tensors`` hold the level's mean (after the all-reduce) and get the new anchors, cast to
+        their dtype, in place.
+        """
+        assert self.anchors is not None and self.optimizer is not None
+        grads = []
+        for a, t in zip(self.anchors, tensors):
+            g = a - t.to(device=a.device, dtype=torch.float32)
+            a.grad = g
+            grads.append(g)
+        # One host transfer per device, not one per tensor.
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(torch.linalg.vector_norm(g, dtype=torch.float64))
+        squares = sum(float(torch.stack(norms).square().sum()) for norms in by_device.values())
+        self.pseudo_grad_norm = math.sqrt(squares)
+        try:
+            self.optimizer.step()
+        finally:  # the pseudo-gradient is never kept, not even when the outer step raises
+            for a in self.anchors:
+                a.grad = None
+        for a, t in zip(self.anchors, tensors):
+            t.copy_(a)
+        self.synced = True
+
+    # -- accounting and checkpoints ----------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes held on this rank: the anchors plus every tensor of the outer optimizer's state."""
+        if self.anchors is None:
+            return 0
+        state = self.optimizer.state if self.optimizer is not None else {}
+        return _tensor_bytes(self.anchors) + sum(_tensor_bytes(s) for s in state.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"anchors": [Tensor, ...], "optimizer": outer_optimizer.state_dict(), "synced": bool}``."""
+        assert self.anchors is not None and self.optimizer is not None
+        return {"anchors": list(self.anchors), "optimizer": self.optimizer.state_dict(), "synced": self.synced}
+
+    @torch.no_grad()
+    def load(
+        self,
+        anchors: list[torch.Tensor],
+        optimizer_state: Mapping[str, Any],
+        synced: bool,
+        tensors: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        """Restore :meth:`check_state`'s output: into the current anchors and outer optimizer if any (the same
+        objects, so references to them stay valid), else into new fp32 anchors and a new outer optimizer."""
+        if self.anchors is None or self.optimizer is None:
+            # New anchors where take() puts them (outer_state_device, else with ``tensors``), not wherever the
+            # checkpoint was mapped (map_location="cpu" would keep them in host memory for the rest of the run).
+            self.take(tensors if tensors is not None else anchors)
+        assert self.anchors is not None and self.optimizer is not None
+        for mine, saved in zip(self.anchors, anchors):
+            mine.copy_(saved)
+        self.optimizer.load_state_dict(optimizer_state)
+        self.synced = synced
+
+    def drop(self) -> None:
+        """Forget the anchors and the outer optimizer (they are taken again with :meth:`take`)."""
+        self.anchors, self.optimizer, self.synced = None, None, False
+
+
+class OuterLevels:
+    """The outer state of an averager's levels on this rank: per level an :class:`OuterLevel`, or ``None`` for a
+    level that averages plainly."""
+
+    def __init__(
+        self, levels: Sequence[AveragingLevel], factories: Mapping[int, OuterFactory], device: torch.device | None
+    ) -> None:
+        self.device = device
+        self.by_level: list[OuterLevel | None] = [
+            OuterLevel(lv.period, factories[lv.period], device, lv.group_size) if lv.period in factories else None
+            for lv in levels
+        ]
+        self.skip_last = 0
+        """How many tensors at the end of every list are averaged plainly (no anchor, no outer step)."""
+
+    def __iter__(self):
+        """The levels with an outer optimizer, in level order."""
+        return (o for o in self.by_level if o is not None)
+
+    @property
+    def has_outer(self) -> bool:
+        return any(o is not None for o in self.by_level)
+
+    @property
+    def has_anchors(self) -> bool:
+        return self.has_outer and all(o.anchors is not None for o in self)
+
+    @property
+    def periods(self) -> tuple[int, ...]:
+        return tuple(o.period for o in self)
+
+    def part(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The local tensors of ``tensors`` that the anchors follow (all but the last :attr:`skip_last`)."""
+        return [local_tensor(t) for t in tensors[: len(tensors) - self.skip_last]]
+
+    def take(self, tensors: Sequence[torch.Tensor], *, agree_over: dist.ProcessGroup | None = None) -> None:
+        """Take the anchors of every level at ``tensors``; on a failure, no level keeps any.
+
+        With ``agree_over``, also agree over that process group that every rank took them (see
+        :meth:`hieravg_optim.HierarchicalAverager.take_anchors`), raising on every rank.
+        """
+        error: BaseException | None = None
+        try:
+            local = self.part(tensors)
+            for outer in self:
+                outer.take(local)
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank with agree_over
+            self.drop()
+            error = exc
+        if agree_over is not None:
+            self.agree_taken(agree_over, error)
+        if error is not None:
+            raise error
+
+    def agree_taken(self, process_group: dist.ProcessGroup, error: BaseException | None = None) -> None:
+        """The agreement of :meth:`take` (``agree_over``), for a rank that takes no anchors at that point."""
+        agree_across_ranks(TAKE_ANCHORS, None, process_group, error=error, fix=_TAKE_FIX)
+
+    def drop(self) -> None:
+        for outer in self:
+            outer.drop()
+
+    def context(self, level_index: int) -> dict[str, object]:
+        """What the ranks of a round at a level with an outer optimizer agree on besides the tensors.
+
+        Whether its anchors are taken, and whether they are known to be equal across the group (else this
+        round averages them first, one more all-reduce): a rank that took anchors the others did not
+        (``take_anchors`` on some ranks, a checkpoint loaded on some ranks) is then a ``RuntimeError`` on every
+        rank of the group, not a collective that only some ranks enter.
+        """
+        outer = self.by_level[level_index]
+        if outer is None:
+            return {}
+        anchors = "not taken" if outer.anchors is None else "equal across the group" if outer.synced else "taken"
+        return {f"the anchors of the outer optimizer (period {outer.period})": anchors}
+
+    def error(
+        self, level_index: int, tensors: Sequence[torch.Tensor], step: int, warmup_steps: int
+    ) -> BaseException | None:
+        """The local error of a round at a level with an outer optimizer, raised on every rank by its agreement."""
+        outer = self.by_level[level_index]
+        if outer is None:
+            return None
+        if outer.anchors is None:
+            if step < warmup_steps:
+                return None  # a synchronous warm-up round: plain averaging
+            return RuntimeError(
+                f"The level of period {outer.period} has an outer optimizer but no anchors at step {step} "
+                "(past the warm-up): call HierarchicalAverager.take_anchors(tensors) once the replicas are "
+                "equal (at construction, after any broadcast from the first replica), before the first round."
+            )
+        why = outer.mismatch(self.part(tensors))
+        if why is None:
+            return None
+        return RuntimeError(
+            f"The tensors averaged at step {step} (period {outer.period}) differ from the level's anchors: "
+            f"{why}. The outer optimizer needs the same tensors at every round: keep the set of averaged (and "
+            "frozen) parameters fixed, or, after changing it (add_param_group, a parameter frozen or unfrozen), take "
+            "the anchors again on every rank (the outer optimizer restarts without momentum): "
+            "opt.averager.take_anchors(opt.tensors_to_average()) on the optimizer wrapper, or "
+            "HierarchicalAverager.take_anchors(tensors)."
+        )
+
+    def reset_lower(self, level_index: int, tensors: Sequence[torch.Tensor]) -> None:
+        """After a round at ``level_index``: the anchors of every lower level with an outer optimizer := ``tensors``."""
+        lower = [o for o in self.by_level[:level_index] if o is not None and o.anchors is not None]
+        if lower:
+            local = self.part(tensors)
+            for o in lower:
+                if o.mismatch(local) is None:
+                    o.reset(local)
+
+
+class OuterAnchorsMixin:
+    """The outer optimizers of :class:`~hieravg_optim.HierarchicalAverager` (a base class of it).
+
+    Reads the averager's ``_outers`` (:class:`OuterLevels`), ``_metrics``, ``step``, ``config`` and
+    ``process_group``.
+    """
+
+    _outers: OuterLevels
+    _metrics: list
+    step: int
+    config: Any
+    process_group: dist.ProcessGroup
+
+    @property
+    def outer_skip_last(self) -> int:
+        """How many tensors at the end of every list given to :meth:`take_anchors` and :meth:`average` are
+        averaged plainly at levels with an outer optimizer: no anchor, no outer step. The optimizer wrapper
+        (its ``buffers``) and the DeepSpeed adapter (``average_buffers``) set it to their number of buffers,
+        whose running statistics (BatchNorm's ``running_var``) an outer step with momentum could push out of
+        range (a negative variance)."""
+        return self._outers.skip_last
+
+    @outer_skip_last.setter
+    def outer_skip_last(self, value: int) -> None:
+        self._outers.skip_last = value
+
+    @property
+    def _outer(self) -> list:
+        """Per level: its :class:`~hieravg_optim.anchors.OuterLevel`, or ``None`` for a level that averages plainly."""
+        return self._outers.by_level
+
+    @property
+    def has_outer(self) -> bool:
+        """Whether some level has an outer optimizer."""
+        return self._outers.has_outer
+
+    @property
+    def has_anchors(self) -> bool:
+        """Whether every level with an outer optimizer holds its anchors (``False`` if there is none)."""
+        return self._outers.has_anchors
+
+    @property
+    def needs_anchors(self) -> bool:
+        """Whether the anchors are due but missing: a level has an outer optimizer, the count is past the
+        warm-up (``step >= warmup_steps``), and some anchor is not there (at construction with
+        ``warmup_steps=0``, or after loading a checkpoint without them). A wrapper then calls
+        :meth:`take_anchors` before its next inner step."""
+        return self.has_outer and not self.has_anchors and self.step >= self.config.warmup_steps
+
+    @property
+    def outer_periods(self) -> tuple[int, ...]:
+        """The periods of the levels with an outer optimizer, in level order."""
+        return self._outers.periods
+
+    def outer_optimizer(self, period: int) -> torch.optim.Optimizer | None:
+        """The outer optimizer of the level of period ``period`` in use now; local, no collective.
+
+        The factory is called more than once (on a one-element probe tensor at construction, on meta tensors
+        to dry-run a loaded state, at each :meth:`take_anchors`), so keep no optimizer it returns: read the one
+        in use here, e.g. to change its learning rate (``param_groups``) or attach a scheduler after the
+        anchors are taken. Loading a state dict keeps the same object.
+
+        Returns:
+            The outer optimizer, or ``None`` before the level's anchors are taken.
+
+        Raises:
+            ValueError: if ``period`` is not a period with an outer optimizer (naming those that have one).
+        """
+        for outer in self._outers:
+            if outer.period == period:
+                return outer.optimizer
+        raise ValueError(
+            f"outer_optimizer({period!r}): no level of period {period!r} has an outer optimizer; those with one: "
+            f"{list(self.outer_periods)}."
+        )
+
+    def take_anchors(self, tensors: Sequence[torch.Tensor], *, agree: bool = False) -> None:
+        """Anchor every level with an outer optimizer at ``tensors``: fp32 copies, and fresh outer optimizers.
+
+        Local, no collective (unless ``agree``). Each anchor is an fp32 copy of the tensor (this rank's local shard), on
+        ``outer_state_device`` or else the tensor's device; each level's outer optimizer is rebuilt with
+        ``factory(anchors)`` (its state starts empty). The anchors need not be equal across ranks: a
+        level's first round after this averages its anchors over its group first (one extra all-reduce of
+        the anchors, once), so the replicas of the group compute the same outer step.
+
+        :meth:`step_and_average` calls it itself right after count ``warmup_steps - 1`` (after that
+        count's synchronous warm-up round, if any); with ``warmup_steps=0`` the wrapper or adapter calls it
+        at construction, after any broadcast from the first replica. A no-op without outer optimizers.
+
+        Args:
+            tensors: This rank's tensors, the same list, in the same order, as :meth:`average` will get.
+            agree: Also agree with every rank of the process group that each took its anchors (one
+                all-gather of two int64 per rank), so that a failure on some ranks only (a factory that
+                raises there, no memory left for the anchors) is raised on every rank, not a hang at the
+                next round. Every rank of the process group must then call it at the same point; the
+                wrappers and adapters do, at construction and at the end of the warm-up.
+
+        Raises:
+            TypeError, ValueError, RuntimeError: if a factory fails on the anchors (raises, or returns something
+                other than a ``torch.optim.Optimizer`` over exactly the anchors it is given), naming the level
+                (period, group size) and the fix (:func:`hieravg_optim.outer.build_outer_optimizer`).
+            Exception: whatever the anchors' allocation raises. With ``agree``, each error on the ranks where it
+                happened, and a ``RuntimeError`` naming them on the others.
+        """
+        self._outers.take(tensors, agree_over=self.process_group if agree else None)
+        for m in self._metrics:
+            m.pseudo_grad_norm = None

@@ -1,0 +1,176 @@
+"""One averaging round at one level: agreement, the non-finite policy, the collective, the outer step, metrics.
+
+:func:`average_round` is what :meth:`hieravg_optim.HierarchicalAverager.average` runs; every collective of a
+round is issued here, under one :func:`~hieravg_optim.faults.named_collective` naming the round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .agreement import check_agreement
+from .anchors import OuterLevel, OuterLevels
+from .averaging import BucketPool, average_tensors_
+from .config import AveragingConfig
+from .faults import named_collective
+from .groups import LevelGroup, timeout_seconds
+from .metrics import LevelMetrics, bytes_sent
+from .nonfinite import has_nonfinite, skip_nonfinite
+from .replica import replica_any
+
+__all__ = ["average_round", "round_name"]
+
+
+def round_name(step: int, lg: LevelGroup) -> str:
+    """How errors and logs name the round at count ``step`` at level ``lg``."""
+    return f"the averaging round at step {step} (period {lg.level.period}, group size {lg.level.group_size})"
+
+
+def average_round(
+    tensors: Sequence[torch.Tensor],
+    *,
+    config: AveragingConfig,
+    process_group: dist.ProcessGroup,
+    level_index: int,
+    lg: LevelGroup,
+    step: int,
+    outers: OuterLevels,
+    metrics: LevelMetrics,
+    pool: BucketPool,
+    replica_group: dist.ProcessGroup | None,
+    replica_ranks: list[int],
+    error: BaseException | None = None,
+    context: Mapping[str, object] | None = None,
+) -> bool:
+    """Average ``tensors`` in place over ``lg``: :meth:`hieravg_optim.HierarchicalAverager.average`'s round.
+
+    At a level with an outer optimizer whose anchors are taken (``take_anchors``), the round goes on
+    after the in-place average gives ``mean``: the pseudo-gradient ``g = anchor - mean`` (torchft's sign:
+    outer SGD with lr 1 and no momentum gives back ``mean``) is set as the anchors' ``.grad``, the outer
+    optimizer steps once, and the anchors are copied into ``tensors`` in place (cast to their dtype). The
+    level's first round after ``take_anchors`` first averages the anchors over the group too (one more
+    all-reduce, in fp32). Then, after any level's round (outer or plain), the anchors of every lower level
+    with an outer optimizer are reset to the new ``tensors``; higher levels keep theirs. Before the anchors
+    are taken (warm-up rounds) the level averages plainly. The outer step is local: every rank of the group
+    holds the same anchors, mean and outer state, so the replicas stay identical.
+
+    With ``config.nonfinite`` other than ``"ignore"``, every rank first checks its tensors for NaN and
+    infinities (one reduction per tensor, see :func:`hieravg_optim.nonfinite.has_nonfinite`); the ranks
+    agree on the result in the agreement collective, with no extra round trip.
+
+    Returns:
+        Whether this rank's tensors were replaced by the finite replicas' mean (``nonfinite="skip_replica"``).
+    """
+    outer = outers.by_level[level_index]
+    if outer is not None and error is None:
+        error = outers.error(level_index, tensors, step, config.warmup_steps)
+    if outer is not None and outer.anchors is None:
+        outer = None  # warm-up: no anchors yet, plain averaging
+    if lg.group is None:
+        if error is not None:
+            raise error
+        start = time.perf_counter()
+        if outer is not None:
+            outer.step(outers.part(tensors))
+            metrics.pseudo_grad_norm = outer.pseudo_grad_norm
+        outers.reset_lower(level_index, tensors)
+        metrics.rounds += 1
+        metrics.seconds += time.perf_counter() - start
+        return False
+    start = time.perf_counter()
+    name = round_name(step, lg)
+    with torch.no_grad(), named_collective(name, lg.ranks, timeout_s=timeout_seconds(config, lg.group)):
+        # Anchors not yet averaged over the group are local copies (taken at the end of the warm-up, or at
+        # construction) and enter this round's mean of anchors: a non-finite one is checked as the tensors are.
+        unsynced = outer is not None and not outer.synced
+        nonfinite = None
+        if config.nonfinite != "ignore":
+            try:
+                local = has_nonfinite(tensors) or (unsynced and has_nonfinite(outer.anchors))
+            except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
+                local, error = False, error or exc
+            # Over this rank's replica, not the level's group: a hung peer there is named as such.
+            with named_collective(
+                f"the agreement of the replica's ranks on whether it is finite, before {name}",
+                replica_ranks,
+                timeout_s=config.collective_timeout_s,
+            ):
+                nonfinite = replica_any(local, replica_group)
+        bad = check_agreement(
+            tensors,
+            lg.group,
+            lg.ranks,
+            context={
+                "step count": step,
+                "bucket_cap_mb": config.bucket_cap_mb,
+                **outers.context(level_index),
+                **(context or {}),
+            },
+            what=f"the parameters to average at step {step} (period {lg.level.period}, group size "
+            f"{lg.level.group_size})",
+            error=error,
+            nonfinite=nonfinite,
+        )
+        divisor = skip_nonfinite(config, process_group, lg, bad, name, anchors=unsynced) if bad else None
+        replaced = dist.get_rank() in bad
+        payload = average_tensors_(
+            tensors,
+            lg.group,
+            lg.size,
+            bucket_cap_bytes=config.bucket_cap_bytes,
+            pool=pool,
+            divisor=divisor,
+            comm_dtype=config.comm_dtype[level_index] if config.comm_dtype else None,
+            node=lg.node,
+            check_wire=config.nonfinite != "ignore",
+            what=name,
+            contribute_zeros=replaced,
+        )
+        if outer is not None:
+            if not outer.synced:
+                payload += _sync_anchors(outer, lg, outers.part(tensors), pool, config, replaced, divisor)
+            outer.step(outers.part(tensors))
+            metrics.pseudo_grad_norm = outer.pseudo_grad_norm
+    outers.reset_lower(level_index, tensors)
+    metrics.rounds += 1
+    metrics.payload_bytes += payload
+    metrics.bytes_sent += bytes_sent(payload, lg)
+    metrics.seconds += time.perf_counter() - start
+    return replaced
+
+
+def _sync_anchors(
+    outer: OuterLevel,
+    lg: LevelGroup,
+    tensors: Sequence[torch.Tensor],
+    pool: BucketPool,
+    config: AveragingConfig,
+    skipped: bool,
+    divisor: int | None,
+) -> int:
+    """Average ``outer``'s anchors over ``lg`` (fp32, on the tensors' devices); returns the payload in bytes.
+
+    Run at the level's first round after the anchors were taken, whose local copies may differ across
+    replicas (e.g. without a synchronous warm-up). A rank ``skipped`` for non-finite tensors adds nothing.
+    """
+    assert outer.anchors is not None
+    staged = [a if a.device == t.device else a.to(t.device) for a, t in zip(outer.anchors, tensors)]
+    payload = average_tensors_(
+        staged,
+        lg.group,
+        lg.size,
+        bucket_cap_bytes=config.bucket_cap_bytes,
+        pool=pool,
+        divisor=divisor,
+        node=lg.node,
+        contribute_zeros=skipped,
+    )
+    for a, s in zip(outer.anchors, staged):
+        if a is not s:
+            a.copy_(s)
+    outer.synced = True
+    return payload
