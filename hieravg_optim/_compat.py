@@ -20,6 +20,7 @@ except ImportError:  # pragma: no cover - torch 2.4
 
 __all__ = [
     "DTensor",
+    "DistError",
     "Placement",
     "Replicate",
     "Shard",
@@ -29,6 +30,9 @@ __all__ = [
     "process_group_timeout",
     "reduce_scatter_single",
 ]
+
+DistError: type[BaseException] | None = getattr(dist, "DistError", None)
+"""``torch.distributed.DistError``, the base of the backends' failure errors, where torch has it."""
 
 
 def fully_shard(*args: Any, **kwargs: Any) -> Any:

@@ -9,8 +9,9 @@ pair with different ones and the backend reports a size mismatch, or waits until
 None of these messages say which averaging round, which group or which step count was
 involved. :func:`named_collective` wraps every collective this package issues during
 training (the agreement check and the averaging of each round, the count check after a
-load and every other agreement across ranks, the DeepSpeed adapter's broadcast) and re-raises
-the backend's error as a :class:`CollectiveError` (a ``RuntimeError``) that says so, chained to the original (``raise ... from``).
+load, every other agreement across ranks, the broadcast from the first replica) and re-raises
+the backend's error as a :class:`CollectiveError` (a ``RuntimeError``) that says so, chained to the
+original (``raise ... from``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
+
+from ._compat import DistError
 
 __all__ = ["CollectiveError", "is_backend_failure", "named_collective"]
 
@@ -53,8 +56,7 @@ def is_backend_failure(exc: BaseException) -> bool:
     ``DistNetworkError``, ...) and for a ``RuntimeError`` whose message is gloo's or NCCL's
     (a closed or reset connection, a timeout, a mismatch reported by the transport).
     """
-    dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
+    if DistError is not None and isinstance(exc, DistError):
         return True
     if type(exc) is not RuntimeError:  # CollectiveError included: wrapped once only
         return False

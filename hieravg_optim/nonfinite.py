@@ -12,16 +12,21 @@ The ranks agree on each rank's flag in the round's agreement collective
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .config import AveragingConfig
-from .groups import LevelGroup
-from .metrics import logger
+if TYPE_CHECKING:  # types only: agreement re-exports has_nonfinite, so this module imports nothing of the package
+    from .config import AveragingConfig
+    from .groups import LevelGroup
 
 __all__ = ["has_nonfinite", "repair_skipped_replica_state", "skip_nonfinite", "zero_nonfinite_state"]
+
+logger = logging.getLogger(__package__ + ".optimizer")
+"""The logger of the averaging rounds' warnings, ``hieravg_optim.optimizer`` as for the metrics."""
 
 
 def has_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
