@@ -11,6 +11,7 @@ consecutive ranks that already reduce gradients together every step).
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -19,7 +20,15 @@ import torch.distributed as dist
 from ._handover import hand_over
 from .config import AveragingConfig
 
-__all__ = ["build_replica_group", "replica_any"]
+__all__ = ["build_replica_group", "replica_any", "replica_dir"]
+
+
+def replica_dir(root: str | os.PathLike, replica_index: int) -> str:
+    """The folder of replica ``replica_index``'s checkpoints under ``root``: ``<root>/replica_<k>``.
+
+    The one place of this name; both adapters' per-replica checkpoints use it.
+    """
+    return os.path.join(os.fspath(root), f"replica_{replica_index}")
 
 
 def build_replica_group(

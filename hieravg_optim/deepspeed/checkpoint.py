@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..agreement import agree_across_ranks
+from ..replica import replica_dir
 
 if TYPE_CHECKING:
     from .engine import DeepSpeedAveraging
@@ -34,8 +35,8 @@ _OUTER_SAVED = "outer_state_per_rank"
 
 
 def replica_checkpoint_dir(save_dir: str | os.PathLike, replica_index: int) -> str:
-    """Where replica ``replica_index`` keeps its DeepSpeed checkpoints under ``save_dir``."""
-    return os.path.join(os.fspath(save_dir), f"replica_{replica_index}")
+    """Where replica ``replica_index`` keeps its DeepSpeed checkpoints under ``save_dir``: ``replica_<k>``."""
+    return replica_dir(save_dir, replica_index)
 
 
 def outer_state_file(tag_dir: str | os.PathLike, dp_rank: int) -> str:
