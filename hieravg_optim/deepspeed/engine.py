@@ -1,15 +1,14 @@
-"""The averaging attached to a DeepSpeed engine: its fp32 master weights and its step hook.
+"""The averaging attached to a DeepSpeed engine: its fp32 master weights and its step.
 
 :class:`DeepSpeedAveraging` knows, for each kind of DeepSpeed optimizer (ZeRO 0-3, fp32,
 bf16, fp16), which tensors are this rank's fp32 master weights and how DeepSpeed's own
-routines push them into the live module parameters; :func:`attach` hooks it into the
-engine's optimizer step and checkpoints. Written against DeepSpeed 0.19.8.
+routines push them into the live module parameters; :func:`hieravg_optim.deepspeed.hooks.attach`
+hooks it into the engine's optimizer step and checkpoints. Written against DeepSpeed 0.19.8.
 """
 
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,13 +21,9 @@ from ..config import AveragingConfig
 from ..faults import named_collective
 from ..inner import repair_skipped_replica_state
 from ..outer import OuterFactory
-from .checkpoint import wrap_checkpoints
 from .mpu import ReplicaParallelUnit
 
-__all__ = ["DeepSpeedAveraging", "attach", "get_averaging", "keep_trace_checks_in_replica"]
-
-_ATTRIBUTE = "hierarchical_averaging"
-"""The engine attribute holding its :class:`DeepSpeedAveraging`."""
+__all__ = ["DeepSpeedAveraging"]
 
 
 def _optimizer_kind(optimizer: Any) -> str:
@@ -373,7 +368,7 @@ class DeepSpeedAveraging:
         """
         self.averager.take_anchors(self.tensors_to_average())
 
-    def _outer_state_location(self) -> torch.device:
+    def outer_state_location(self) -> torch.device:
         """Where this rank's anchors live: ``outer_state_device``, else with the master weights."""
         device = self.averager.outer_state_device
         return device if device is not None else self.master_tensors()[0].device
@@ -395,101 +390,3 @@ class DeepSpeedAveraging:
                 <hieravg_optim.HierarchicalAverager.load_state_dict>`; nothing is changed then.
         """
         self.averager.load_state_dict(state, self.tensors_to_average())
-
-
-def get_averaging(engine: Any) -> DeepSpeedAveraging | None:
-    """The :class:`DeepSpeedAveraging` of an engine built by :func:`initialize`, or ``None``."""
-    return engine.__dict__.get(_ATTRIBUTE)
-
-
-def attach(engine: Any, state: DeepSpeedAveraging) -> None:
-    """Attach ``state`` to ``engine`` as ``engine.hierarchical_averaging``, and hook it into the engine.
-
-    ``state.after_engine_step()`` then runs after every engine optimizer step (``_take_model_step``),
-    and ``save_checkpoint`` / ``load_checkpoint`` keep each replica in its own folder (see
-    :func:`~hieravg_optim.deepspeed.checkpoint.wrap_checkpoints`).
-
-    Raises:
-        NotImplementedError: if the engine lacks a method this adapter wraps (a DeepSpeed other than 0.19).
-    """
-    for name in ("_take_model_step", "save_checkpoint", "load_checkpoint"):
-        if not callable(getattr(type(engine), name, None)):
-            import deepspeed
-
-            raise NotImplementedError(
-                f"DeepSpeedEngine.{name} is missing in DeepSpeed {deepspeed.__version__}; hieravg_optim.deepspeed "
-                "is written for DeepSpeed 0.19. Use HierarchicalAveragingOptimizer with plain DDP instead."
-            )
-    original_take_model_step = engine._take_model_step
-
-    def _take_model_step(*args: Any, **kwargs: Any) -> Any:
-        out = original_take_model_step(*args, **kwargs)
-        state.after_engine_step()
-        return out
-
-    wrap_checkpoints(engine, state)
-    engine._take_model_step = _take_model_step
-    engine.__dict__[_ATTRIBUTE] = state
-
-
-_TRACE_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("hieravg_zero3_trace_group", default=None)
-"""The replica group while a replica engine's ZeRO-3 coordinator checks its trace; ``None`` otherwise."""
-
-
-def _assert_ints_same_in_replica(original: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
-    """DeepSpeed's ``assert_ints_same_as_other_ranks``, over the replica group while one is set."""
-
-    def assert_ints_same(ints: list[int]) -> None:
-        group = _TRACE_GROUP.get()
-        if group is None:
-            return original(ints)
-        lists: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(lists, list(ints), group=group)
-        if any(other != lists[0] for other in lists):
-            ranks = dist.get_process_group_ranks(group)
-            raise RuntimeError(
-                "ZeRO-3: the ranks of one replica recorded different module or parameter orders in their "
-                f"forward passes (ranks {ranks}: {lists}); the ranks of a replica must run the same modules "
-                "in the same order."
-            )
-        return None
-
-    assert_ints_same._hieravg_original = original  # type: ignore[attr-defined]
-    return assert_ints_same
-
-
-def keep_trace_checks_in_replica(engine: Any, group: dist.ProcessGroup) -> None:
-    """Make the ZeRO-3 engine's trace checks compare the ranks of ``group`` (its replica), not the world.
-
-    DeepSpeed's ZeRO-3 parameter coordinator records the order in which the forward pass uses the
-    submodules and, in ``reset_step`` (at the start of every forward until the trace is complete),
-    checks that every rank recorded the same order with ``assert_ints_same_as_other_ranks``, a
-    broadcast from global rank 0 over the whole world. Parameters are partitioned and gathered
-    within the replica only, so the order must agree within it; replicas may differ (a forward whose
-    branch depends on the replica's data or index), and with the world-wide check they fail with
-    "Detected a disagreement ... between rank0 and rank<k>". After this call, the checks issued from
-    this engine's ``reset_step`` all-gather the orders over ``group`` instead and raise a
-    ``RuntimeError`` on every rank of the replica when they differ. Other engines in the process are
-    unaffected. DeepSpeed's debugging checks (``safe_mode`` all-gathers, ``enable_sanity_checks``)
-    still compare the whole world.
-
-    .. warning::
-        The checks become collectives over ``group``: every rank of it runs the same forwards, as
-        ZeRO-3 requires anyway.
-    """
-    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
-
-    current = ppc.assert_ints_same_as_other_ranks
-    if not hasattr(current, "_hieravg_original"):
-        ppc.assert_ints_same_as_other_ranks = _assert_ints_same_in_replica(current)
-    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
-    reset_step = coordinator.reset_step
-
-    def reset_step_in_replica(*args: Any, **kwargs: Any) -> Any:
-        token = _TRACE_GROUP.set(group)
-        try:
-            return reset_step(*args, **kwargs)
-        finally:
-            _TRACE_GROUP.reset(token)
-
-    coordinator.reset_step = reset_step_in_replica

@@ -21,7 +21,8 @@ from ..agreement import agree_across_ranks, raise_on_every_rank
 from ..config import AveragingConfig, warn_at_caller
 from ..optimizer import HierarchicalAveragingOptimizer
 from ..outer import OuterFactory
-from .engine import DeepSpeedAveraging, attach, keep_trace_checks_in_replica
+from .engine import DeepSpeedAveraging
+from .hooks import attach
 from .mpu import ReplicaParallelUnit
 from .section import (
     SECTION,
@@ -136,7 +137,7 @@ def initialize(
     ``<dir>/replica_<k>/`` with the averaging step count in the client state. Under ZeRO-3,
     DeepSpeed's check that every rank's forward used the submodules in the same order compares
     the ranks of one replica instead of the whole world (see
-    :func:`~hieravg_optim.deepspeed.engine.keep_trace_checks_in_replica`): replicas may take
+    :func:`~hieravg_optim.deepspeed.hooks.keep_trace_checks_in_replica`): replicas may take
     different branches.
 
     .. warning::
@@ -410,9 +411,7 @@ def _initialize_with_averaging(
         outer_state_device=outer_state_device,
     )
     state.broadcast_from_first_replica()  # then the anchors, with outer optimizers and no warm-up
-    attach(engine, state)
-    if state.kind == "zero3":
-        keep_trace_checks_in_replica(engine, replica_mpu.get_data_parallel_group())
+    attach(engine, state)  # the step hook, per-replica checkpoints, ZeRO-3's trace check within the replica
     if dist.get_rank() == 0:
         logger.info(
             "hierarchical averaging on DeepSpeed: %d replicas of %d ranks (ZeRO stage %d, %s); levels %s, warmup %d, "
