@@ -393,13 +393,15 @@ def _initialize_with_averaging(
     With outer optimizers and no warm-up, the anchors are taken right after that broadcast.
     """
     rpr = averaging_config.ranks_per_replica
-    replica_mpu = ReplicaParallelUnit(rpr)
+    # The replica groups serve the averaging too (the finiteness vote, the buffers): its timeout.
+    replica_mpu = ReplicaParallelUnit(rpr, timeout_s=averaging_config.collective_timeout_s)
     engine, ds_optimizer, dataloader, scheduler = _deepspeed_initialize(
         args, from_args, ds_config, ds_kwargs, mpu=replica_mpu
     )
     assert engine.optimizer is not None, "DeepSpeed built no optimizer although one was given"
     dataloader = _shard_over_world(engine, dataloader, training_data, collate_fn)
     # Checked against the world size and agreed on in _agree: the averager's own agreement would repeat it.
+    # Every replica starts from replica 0 (then the anchors, with outer optimizers and no warm-up).
     state = DeepSpeedAveraging(
         engine,
         averaging_config,
@@ -410,7 +412,6 @@ def _initialize_with_averaging(
         outer_optimizers=outer_optimizers,
         outer_state_device=outer_state_device,
     )
-    state.broadcast_from_first_replica()  # then the anchors, with outer optimizers and no warm-up
     attach(engine, state)  # the step hook, per-replica checkpoints, ZeRO-3's trace check within the replica
     if dist.get_rank() == 0:
         logger.info(
