@@ -18,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..agreement import agree_across_ranks
+from ..faults import named_collective
 from .checkpoint import (
     CHECKPOINT_KEY,
     outer_state_file,
@@ -115,7 +116,9 @@ def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
             # DeepSpeed writes "latest" on global rank 0 only, i.e. for replica 0.
             with open(os.path.join(folder, "latest"), "w") as fd:
                 fd.write(saved_tag)
-        dist.barrier()
+        world = list(range(dist.get_world_size()))
+        with named_collective(f"the barrier after saving the checkpoint under {os.fspath(save_dir)}", world):
+            dist.barrier()
         return out
 
     def load_checkpoint(load_dir, tag=None, *args: Any, **kwargs: Any):
@@ -181,9 +184,10 @@ def _assert_ints_same_in_replica(original: Callable[[list[int]], None]) -> Calla
         if group is None:
             return original(ints)
         lists: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(lists, list(ints), group=group)
+        ranks = dist.get_process_group_ranks(group)
+        with named_collective("ZeRO-3's check of the forward trace within the replica", ranks):
+            dist.all_gather_object(lists, list(ints), group=group)
         if any(other != lists[0] for other in lists):
-            ranks = dist.get_process_group_ranks(group)
             raise RuntimeError(
                 "ZeRO-3: the ranks of one replica recorded different module or parameter orders in their "
                 f"forward passes (ranks {ranks}: {lists}); the ranks of a replica must run the same modules "
