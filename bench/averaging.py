@@ -38,7 +38,8 @@ Sharded mode (4 ranks, 2 ranks per replica, each holding one half of every tenso
 all-reduces, from :meth:`HierarchicalAverager.metrics`, are model / 2.
 
 ``--baseline-rev REV`` adds ``baseline_raw``: ``average_tensors_`` of
-``hieravg_optim/averaging.py`` at git revision REV, timed in the same processes (A/B).
+``hieravg_optim.averaging`` at git revision REV (the package extracted with ``git archive``),
+timed in the same processes (A/B).
 
 Results: printed, and written to ``bench/results/averaging.json``.
 """
@@ -65,14 +66,15 @@ def _make(shapes, rank, torch):
 
 
 def _load_baseline(path: str):
-    """The averaging module of another revision (written by ``main`` from ``git show``), for A/B runs."""
-    import importlib.util
+    """The averaging module of another revision, for A/B runs.
 
-    spec = importlib.util.spec_from_file_location("hieravg_baseline_averaging", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    ``path`` is a folder holding that revision's package, extracted by ``main`` with ``git archive``
+    under the name ``hieravg_baseline``; its imports are relative, so it imports beside this one.
+    """
+    import importlib
+
+    sys.path.insert(0, path)
+    return importlib.import_module("hieravg_baseline.averaging")
 
 
 def _bench_rank(
@@ -286,13 +288,12 @@ def main() -> None:
         import tempfile
 
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        src = subprocess.run(
-            ["git", "show", f"{args.baseline_rev}:hieravg_optim/averaging.py"],
-            cwd=root, check=True, capture_output=True, text=True,
+        baseline = tempfile.mkdtemp(prefix="hieravg-baseline-")
+        archive = subprocess.run(
+            ["git", "archive", args.baseline_rev, "hieravg_optim"], cwd=root, check=True, capture_output=True,
         ).stdout
-        baseline = os.path.join(tempfile.mkdtemp(prefix="hieravg-baseline-"), "averaging_baseline.py")
-        with open(baseline, "w") as f:
-            f.write(src)
+        subprocess.run(["tar", "-x", "-C", baseline], input=archive, check=True)
+        os.rename(os.path.join(baseline, "hieravg_optim"), os.path.join(baseline, "hieravg_baseline"))
     env = environment()
     rows, sharded = [], []
     memory_method = None
