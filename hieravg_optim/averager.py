@@ -1,35 +1,31 @@
 """The stateful averager: construction, the step count, the due level and the one step driver.
 
-:class:`HierarchicalAverager` averages a list of tensors when the schedule says so,
-once per optimizer step. It is the piece the optimizer wrapper
-(:class:`~hieravg_optim.HierarchicalAveragingOptimizer`) and the DeepSpeed and FSDP
-adapters drive (``begin_step``, then ``step_and_average``), as torch's ``PostLocalSGDOptimizer`` drives a
-``HierarchicalModelAverager``. A round is :mod:`~hieravg_optim.rounds`; the outer optimizers, state dict and
-metrics are base classes from :mod:`~hieravg_optim.anchors`, :mod:`~hieravg_optim.checkpoint`, :mod:`~hieravg_optim.metrics`.
+:class:`HierarchicalAverager` averages a list of tensors when the schedule says so, once per optimizer step;
+the wrapper and the adapters drive it (``begin_step``, then ``step_and_average``) as torch's
+``PostLocalSGDOptimizer`` drives a ``HierarchicalModelAverager``. A round is :mod:`~hieravg_optim.rounds`; the
+outer optimizers, state dict and metrics are base classes from ``anchors``, ``checkpoint`` and ``metrics``.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
-from ._handover import hand_over
-from .agreement import agree_across_ranks, check_agreement, raise_on_every_rank
+from . import replica
+from .agreement import agree_across_ranks, raise_on_every_rank
 from .anchors import TAKE_ANCHORS, OuterAnchorsMixin, OuterLevels
 from .averaging import BucketPool
 from .checkpoint import AveragingStateMixin
 from .config import AveragingConfig
-from .faults import named_collective
 from .groups import LevelGroup, build_level_groups, group_timeout, timeout_seconds
 from .metrics import LevelMetrics, MetricsMixin, bytes_sent, check_log_metrics_every
 from .nonfinite import repair_skipped_replica_state
 from .outer import OuterFactory, check_outer
-from .replica import build_replica_group
-from .rounds import average_round
+from .replica import replica_group_for
+from .rounds import average_round, average_round_within_replica
 from .schedule import AveragingLevel, level_at
 from .tensors import local_tensor
 
@@ -79,6 +75,9 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             See :func:`hieravg_optim.nesterov_outer`.
         outer_state_device: Where the anchors and the outer optimizer's state live, e.g. ``"cpu"`` to keep
             them off the accelerator (torchft's ``backup_device``); ``None`` (default): each tensor's own device.
+        replica_group: This rank's replica group (its ``ranks_per_replica`` consecutive ranks), if one exists
+            already, e.g. the DeepSpeed mpu's data-parallel group: used for the replica's finiteness vote and
+            :meth:`average_within_replica` instead of building another; ``None``: built when needed.
 
     Raises:
         ValueError: from :meth:`AveragingConfig.check_world_size`, for a ``log_metrics_every``
@@ -104,6 +103,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         agreed: bool = False,
         outer_optimizers: Mapping[int | str, OuterFactory] | None = None,
         outer_state_device: str | torch.device | None = None,
+        replica_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             check_log_metrics_every(log_metrics_every)  # a bad value is named first, as with a process group
@@ -144,7 +144,8 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             agree_across_ranks("the averaging config", agreed_value, self.process_group, error=error)
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
         # A sharded replica's ranks decide together whether it is finite (one int64 per round).
-        self._replica_group = build_replica_group(config, self.process_group, group_timeout(config, self.process_group))
+        timeout = group_timeout(config, self.process_group)
+        self._replica_group = replica_group_for(config, self.process_group, timeout, replica_group)
         self._replica_ranks = (
             [] if self._replica_group is None else dist.get_process_group_ranks(self._replica_group)
         )
@@ -332,56 +333,47 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             self.replaced_at_step = self.step
         return replaced
 
-    @torch.no_grad()
-    def broadcast_from_first_replica(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Overwrite ``tensors`` in place with those of the first replica (as DDP broadcasts from rank 0).
+    def broadcast_from_first_replica(
+        self, tensors: Sequence[torch.Tensor], whole: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """Overwrite ``tensors`` (this rank's shards) and ``whole`` in place with the first replica's.
 
-        Each rank receives from the rank of its top-level subgroup in replica 0, i.e. the rank holding
-        the same shard there; with ``ranks_per_replica=1``, from rank 0. The DeepSpeed and FSDP adapters
-        call it at construction, so that every replica starts from the same weights.
+        ``tensors`` come from the same-shard rank of replica 0 (with ``ranks_per_replica=1``, rank 0), ``whole``
+        (held whole by every rank, e.g. buffers) from the first rank of the process group (see
+        :func:`hieravg_optim.replica.broadcast_from_first_replica`). The adapters call it at construction.
 
         .. warning::
-            Collective over the default process group: one agreement check (an all-reduce of four
-            int64), then one broadcast per tensor, over this rank's top-level subgroup.
-
-        Args:
-            tensors: This rank's tensors (shards), the same number, shapes and dtypes on every rank of
-                its top-level subgroup.
+            Collective over the process group: one agreement, then one broadcast per tensor.
 
         Raises:
-            RuntimeError: on every rank of the subgroup, before any broadcast, if the ranks disagree on
-                the tensors' number, shapes or dtypes; if a collective fails (a dead or hung peer), naming
-                it and the subgroup's ranks (:func:`hieravg_optim.faults.named_collective`).
+            RuntimeError: on every rank, before any broadcast, if the ranks disagree on the tensors' number,
+                shapes or dtypes; if a collective fails (a dead or hung peer), naming it and the group's ranks.
         """
         top = self.level_groups[-1]
-        if top.group is None:
-            return
-        what = "the broadcast from the first replica at construction"
-        with named_collective(what, top.ranks, timeout_s=timeout_seconds(self.config, top.group)):
-            check_agreement(
-                tensors,
-                top.group,
-                top.ranks,
-                context={"operation": "broadcast from the first replica"},
-                what="the tensors broadcast from the first replica at construction",
-            )
-            for t in tensors:
-                hand_over(t)
-                dist.broadcast(t, src=top.ranks[0], group=top.group)
+        replica.broadcast_from_first_replica(
+            tensors, whole, top=top, process_group=self.process_group,
+            timeout_s=timeout_seconds(self.config, top.group),
+        )  # fmt: skip
 
-    @contextlib.contextmanager
-    def restoring_count_on_error(self) -> Iterator[None]:
-        """Load inside this block: if it raises, the count (and its check at the next step) is as before.
+    def average_within_replica(self, tensors: Sequence[torch.Tensor], level_index: int = -1) -> None:
+        """Average ``tensors``, held whole by every rank (buffers), over this rank's replica, after a round.
 
-        For a wrapper that loads the count with :meth:`load_step_state` and then its inner optimizer, and must
-        leave everything unchanged when either rejects its part.
+        A round at ``level_index`` averaged them with the same-shard ranks of the other replicas; this
+        gives them their mean over the level's whole block. Agreed and named, counted in that level's
+        :meth:`metrics` (see :func:`hieravg_optim.replica.average_within_replica`). A no-op with
+        ``ranks_per_replica=1``.
+
+        .. warning::
+            Collective over this rank's replica.
         """
-        previous = (self.step, self._verify_step_pending)
-        try:
-            yield
-        except BaseException:
-            self.step, self._verify_step_pending = previous
-            raise
+        if self.config.ranks_per_replica == 1:
+            return
+        if self._replica_group is None:
+            raise RuntimeError("average_within_replica needs the replica's group: pass replica_group= at construction.")
+        average_round_within_replica(
+            tensors, self._replica_group, config=self.config, step=self.step, metrics=self._metrics[level_index],
+            pool=self.pool,
+        )  # fmt: skip
 
     def verify_step_if_loaded(self) -> None:
         """After a load, check once that every rank resumed at the same count (collective over the group)."""

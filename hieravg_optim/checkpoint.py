@@ -1,19 +1,17 @@
 """The averaging state in state dicts: its keys, the saved count, and the checks before anything is loaded.
 
-* :data:`STATE_KEY` / :data:`GROUP_STEP_KEY`, :func:`split_count` / :func:`pop_group_step`: where the
-  wrapper's state dict keeps the averaging state and the count (under :data:`STATE_KEY`, the top-level
-  ``"step"`` as torch's ``PostLocalSGDOptimizer`` does, and in every parameter group under
-  :data:`GROUP_STEP_KEY`, which torch's optimizer-state helpers keep);
+* :data:`STATE_KEY`, :data:`GROUP_STEP_KEY`, :func:`split_count`: where a wrapper's state dict keeps the
+  averaging state and the count (also as torch's top-level ``"step"``, and in every parameter group);
 * :class:`AveragingStateMixin`: :meth:`hieravg_optim.HierarchicalAverager.state_dict` and its loads, with
-  :func:`averaging_state`, :func:`read_step`, :func:`warn_schedule_changes` and :func:`check_level_state`
-  (one level's anchors and outer optimizer state, checked with a dry run on meta tensors).
+  :func:`check_level_state` (one level's anchors and outer optimizer state, dry-run on meta tensors).
 
 All of it is local: no collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -381,3 +379,17 @@ class AveragingStateMixin:
         self.step = read_step(state)
         warn_schedule_changes(state, self.step, self.config)
         self._verify_step_pending = True
+
+    @contextlib.contextmanager
+    def restoring_count_on_error(self) -> Iterator[None]:
+        """Load inside this block: if it raises, the count (and its check at the next step) is as before.
+
+        For a wrapper that loads the count with :meth:`load_step_state` and then its inner optimizer, and must
+        leave everything unchanged when either rejects its part.
+        """
+        previous = (self.step, self._verify_step_pending)
+        try:
+            yield
+        except BaseException:
+            self.step, self._verify_step_pending = previous
+            raise

@@ -20,9 +20,9 @@ from .faults import named_collective
 from .groups import LevelGroup, timeout_seconds
 from .metrics import LevelMetrics, bytes_sent
 from .nonfinite import has_nonfinite, skip_nonfinite
-from .replica import replica_any
+from .replica import average_within_replica, replica_any
 
-__all__ = ["average_round", "round_name"]
+__all__ = ["average_round", "average_round_within_replica", "round_name"]
 
 
 def round_name(step: int, lg: LevelGroup) -> str:
@@ -174,3 +174,25 @@ def _sync_anchors(
             a.copy_(s)
     outer.synced = True
     return payload
+
+
+def average_round_within_replica(
+    tensors: Sequence[torch.Tensor],
+    replica_group: dist.ProcessGroup,
+    *,
+    config: AveragingConfig,
+    step: int,
+    metrics: LevelMetrics,
+    pool: BucketPool,
+) -> None:
+    """Average whole ``tensors`` over this rank's replica after a round, counted in that round's ``metrics``
+    (see :meth:`hieravg_optim.HierarchicalAverager.average_within_replica`)."""
+    start = time.perf_counter()
+    what = f"the average within the replica after the round of period {metrics.period}, at step {step}"
+    payload = average_within_replica(
+        tensors, replica_group, step=step, what=what, bucket_cap_bytes=config.bucket_cap_bytes, pool=pool
+    )
+    n = config.ranks_per_replica
+    metrics.payload_bytes += payload
+    metrics.bytes_sent += 2 * (n - 1) * payload // n
+    metrics.seconds += time.perf_counter() - start
