@@ -146,8 +146,8 @@ def as_real(value: object) -> object:
 
 
 def plain_number(value: object) -> object:
-    """Numpy and Python integers as ``int``, other reals as ``float``, anything else as given: the ranks compare configs by their repr,
-    so ``warmup_steps=np.int64(8)`` on one rank and ``8`` on another must not differ."""
+    """Numpy and Python integers as ``int``, other reals as ``float``, anything else as given: the ranks
+    compare configs by their repr, so ``warmup_steps=np.int64(8)`` on one rank and ``8`` on another must agree."""
     if is_int(value):
         return int(value)  # type: ignore[arg-type]
     return as_float(value) if is_real(value) else value  # type: ignore[arg-type]

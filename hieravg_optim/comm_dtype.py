@@ -67,8 +67,8 @@ def _one(value: object, where: str) -> str | None:
         value,
         # JSON names the key for a value of another type (a number); a wrong name keeps this message.
         json=None if isinstance(value, (str, torch.dtype)) else 'a dtype name such as "bf16", or {"period": "bf16"}',
-        message=f"comm_dtype{where} must be one of {list(COMM_DTYPES)} (or an alias: {sorted(_ALIASES)}), a "
-        f"matching torch.dtype, or None / \"auto\" for each tensor's own dtype; got {value!r} ({type(value).__name__}).",
+        message=f"comm_dtype{where} must be one of {list(COMM_DTYPES)} (or an alias: {sorted(_ALIASES)}), a matching "
+        f"torch.dtype, or None / \"auto\" for each tensor's own dtype; got {value!r} ({type(value).__name__}).",
     )
 
 

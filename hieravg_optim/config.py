@@ -56,15 +56,21 @@ MAX_COLLECTIVE_TIMEOUT_S = 1e9
 deadlines count nanoseconds (torch 2.13: 9.2e9 s hung the first all-reduce, 9.3e9 s timed it out at once)."""
 
 FIELD_CHECKS: dict[str, FieldCheck] = {
-    "warmup_steps": FieldCheck(lambda v: is_int(v) and v >= 0, "a non-negative integer (steps)", json="a non-negative integer (optimizer steps)"),
+    "warmup_steps": FieldCheck(
+        lambda v: is_int(v) and v >= 0, "a non-negative integer (steps)", json="a non-negative integer (optimizer steps)"
+    ),
     "synchronous_warmup": FieldCheck(is_bool, "True or False", json="true or false", show_type=True),
-    "ranks_per_replica": FieldCheck(is_positive_int, "a positive integer (ranks)", json='a positive integer (ranks) or "auto"'),
+    "ranks_per_replica": FieldCheck(
+        is_positive_int, "a positive integer (ranks)", json='a positive integer (ranks) or "auto"'
+    ),
     "ranks_per_node": FieldCheck(
         lambda v: v is None or is_positive_int(v),
         'a positive integer (ranks of one node), "auto" or None',
         json='a positive integer (ranks of one node), "auto" or null',
     ),
-    "bucket_cap_mb": FieldCheck(lambda v: is_real(v) and 0 < v < math.inf, "a positive, finite number of MB", json="a positive number (MB)"),
+    "bucket_cap_mb": FieldCheck(
+        lambda v: is_real(v) and 0 < v < math.inf, "a positive, finite number of MB", json="a positive number (MB)"
+    ),
     "average_frozen": FieldCheck(is_bool, "True or False", json="true or false", show_type=True),
     "collective_timeout_s": FieldCheck(
         lambda v: v is None or (is_real(v) and 0 < as_float(v) <= MAX_COLLECTIVE_TIMEOUT_S),
@@ -82,11 +88,11 @@ FIELD_CHECKS: dict[str, FieldCheck] = {
     ),
 }
 """The check of each field checked alone: run by ``__post_init__``, rendered for Python or for the DeepSpeed
-section (:func:`~hieravg_optim._validation.in_section`). The others are checked against the levels in ``__post_init__``."""
+section (:func:`~hieravg_optim._validation.in_section`). The others are checked against the levels."""
 
 
 def check_setting(name: str, value: object) -> None:
-    """Raise ``ValueError`` (:func:`~hieravg_optim._validation.setting_error`) unless ``value`` passes the check of field ``name`` in :data:`FIELD_CHECKS`."""
+    """Raise ``ValueError`` unless ``value`` passes the check of field ``name`` in :data:`FIELD_CHECKS`."""
     FIELD_CHECKS[name](name, value)
 
 
@@ -96,7 +102,7 @@ _DEVICE_JSON = 'a torch device name such as "cpu", or null (with the master weig
 
 
 def _outer_state_device(value: object) -> torch.device | None:
-    """:func:`~hieravg_optim.outer.check_outer_state_device`, its errors naming the setting (:func:`~hieravg_optim._validation.setting_error`)."""
+    """:func:`~hieravg_optim.outer.check_outer_state_device`, its errors naming the setting for the JSON section."""
     try:
         return check_outer_state_device(value)  # type: ignore[arg-type]
     except TypeError as exc:
@@ -266,14 +272,10 @@ class AveragingConfig:
                 of an unsupported type, or a factory that is not callable or builds no optimizer over its tensors.
         """
         levels = parse_levels(period_group_size)
-        numbers = {
-            "warmup_steps": warmup_steps,
-            "ranks_per_replica": ranks_per_replica,
-            "bucket_cap_mb": bucket_cap_mb,
-            "collective_timeout_s": collective_timeout_s,
-        }
-        for name, value in numbers.items():
-            check_setting(name, value)  # named as given, before it becomes a plain int or float
+        numbers = {"warmup_steps": warmup_steps, "ranks_per_replica": ranks_per_replica, "bucket_cap_mb": bucket_cap_mb}
+        numbers["collective_timeout_s"] = collective_timeout_s
+        for name, value in numbers.items():  # named as given, before they become plain ints and floats
+            check_setting(name, value)
         return cls(
             levels=levels,
             warmup_steps=plain_number(warmup_steps),  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 
 from .._validation import FieldCheck, in_section, is_bool, local_world_size, setting_error, warn_at_caller
 from ..config import FIELD_CHECKS, AveragingConfig
+from ..outer import OuterFactory
 from ..schedule import parse_levels, period_of_key
 
 __all__ = [
@@ -47,7 +48,11 @@ _SETTINGS = tuple(
 )
 """The keys passed to :meth:`AveragingConfig.create` as they are written (``ranks_per_replica`` once resolved)."""
 
-_KEYS = ("enabled", *(_JSON_KEY.get(f.name, f.name) for f in dataclasses.fields(AveragingConfig) if f.init), "average_buffers")
+_KEYS = (
+    "enabled",
+    *(_JSON_KEY.get(f.name, f.name) for f in dataclasses.fields(AveragingConfig) if f.init),
+    "average_buffers",
+)
 """Every key of the section: the config's fields, then the adapter's own."""
 
 _FLAG = FieldCheck(is_bool, "True or False", json="true or false")
@@ -93,11 +98,9 @@ class SectionSettings:
         """``"outer_state_device"`` as written, e.g. ``"cpu"``; ``None``: with the master weights."""
         return self.settings.get("outer_state_device")
 
-    def outer_optimizers(self) -> dict[int, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]:
-        """The outer optimizer factories of :attr:`outer_optimizer`, ``{period: factory}``.
-
-        ``factory(tensors)`` is ``cls(tensors, **params)``, ``cls`` the ``torch.optim`` class named by ``type``.
-        """
+    def outer_optimizers(self) -> dict[int, OuterFactory]:
+        """The outer optimizer factories of :attr:`outer_optimizer`, ``{period: factory}``: ``factory(tensors)`` is
+        ``cls(tensors, **params)``, ``cls`` the ``torch.optim`` class named by ``type``."""
         return _factories(self.outer_optimizer)
 
     def averaging_config(self, ranks_per_replica: int) -> AveragingConfig:
@@ -198,7 +201,7 @@ def parse_section(section: Any) -> SectionSettings:
     )
 
 
-def _factories(spec: Mapping[int, Mapping[str, Any]] | None) -> dict[int, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]:
+def _factories(spec: Mapping[int, Mapping[str, Any]] | None) -> dict[int, OuterFactory]:
     """``{period: factory}`` of a parsed ``"outer_optimizer"``: ``factory(tensors)`` is ``cls(tensors, **params)``."""
     return {
         period: functools.partial(getattr(torch.optim, entry["type"]), **entry["params"])
@@ -312,7 +315,7 @@ def _parse_outer_optimizer(value: Any, keys: dict[int, Any]) -> dict[int, dict[s
 
 
 def resolve_ranks_per_replica(settings: SectionSettings) -> int:
-    """The section's ``ranks_per_replica``; for ``"auto"``, ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` (launcher).
+    """The section's ``ranks_per_replica``; ``"auto"``: ``LOCAL_WORLD_SIZE`` (torchrun), else ``LOCAL_SIZE``.
 
     Raises:
         ValueError: for ``"auto"`` when neither variable is set to a positive integer.
