@@ -14,12 +14,16 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from .config import AveragingConfig
 
 __all__ = [
     "FieldCheck",
     "as_float",
     "as_real",
+    "check_world_size",
     "is_bool",
     "is_int",
     "is_positive_int",
@@ -185,3 +189,75 @@ class FieldCheck(NamedTuple):
     def __call__(self, name: str, value: object) -> None:
         if not self.ok(value):
             raise setting_error(name, value, self.expected, json=self.json, show_type=self.show_type, tail=self.tail)
+
+
+def _check_ranks_per_node(config: AveragingConfig, world_size: int) -> None:
+    n, s = config.ranks_per_node, config.ranks_per_replica
+    if n is None:
+        return
+    if world_size % n != 0 or n % s != 0:
+        raise ValueError(
+            f"ranks_per_node={n} must divide the size of the process group ({world_size}) and be a multiple of "
+            f"ranks_per_replica={s}: nodes are blocks of ranks_per_node consecutive ranks holding whole replicas. "
+            "Set it to the ranks of one node (LOCAL_WORLD_SIZE), or to None for a flat all-reduce."
+        )
+    for level in config.levels:
+        if level.group_size > n and level.group_size % n != 0:
+            raise ValueError(
+                f"ranks_per_node={n} must divide group size {level.group_size} of period {level.period}: a level "
+                "spanning several nodes averages whole nodes node-aware. Change the group size to a multiple of "
+                f"{n}, or set ranks_per_node=None for a flat all-reduce."
+            )
+
+def check_world_size(config: AveragingConfig, world_size: int) -> None:
+    """:meth:`AveragingConfig.check_world_size`: a check across the config and the process group, as torchtitan's
+    ``config/validation.py`` checks across configs."""
+    s = config.ranks_per_replica
+    if world_size % s != 0:
+        raise ValueError(
+            f"ranks_per_replica={s} must divide the size of the process group ({world_size}): "
+            "every replica is a block of ranks_per_replica consecutive ranks."
+        )
+    for level in config.levels:
+        if world_size % level.group_size != 0:
+            raise ValueError(
+                f"Group size {level.group_size} of period {level.period} must divide the size of the "
+                f"process group ({world_size})."
+            )
+        if level.group_size % s != 0:
+            raise ValueError(
+                f"Group size {level.group_size} of period {level.period} must be a multiple of "
+                f"ranks_per_replica={s}: a level averages whole replicas."
+            )
+    _check_ranks_per_node(config, world_size)
+    last = config.levels[-1].group_size
+    if last != world_size:
+        raise ValueError(
+            f"The last group size in period_group_size ({last}, period {config.levels[-1].period}) must be "
+            f"equal to the size of the process group ({world_size}): the top level averages all replicas."
+        )
+    if config.levels[-1].period == 1:
+        warn_at_caller(
+            "The largest period in period_group_size is 1: averaging parameters every step costs at least "
+            "as much as all-reducing gradients. Use plain DDP / ZeRO / FSDP instead.",
+        )
+    for lower, upper in zip(config.levels, config.levels[1:]):
+        if upper.group_size % lower.group_size != 0:
+            warn_at_caller(
+                f"Group size {lower.group_size} (period {lower.period}) does not divide group size "
+                f"{upper.group_size} (period {upper.period}): the levels' groups do not nest, so this is "
+                "not a hierarchy. It is legal, as in torch, but rarely intended.",
+            )
+    if world_size == s:
+        warn_at_caller(
+            f"ranks_per_replica={s} is the size of the process group: there is a single replica, so "
+            "hierarchical averaging never averages anything. Lower ranks_per_replica (e.g. to the ranks of "
+            "one node).",
+        )
+        return
+    for level in config.levels[:-1]:
+        if level.group_size == s:
+            warn_at_caller(
+                f"Level with period {level.period} has group size {level.group_size} == ranks_per_replica: "
+                "its groups hold a single replica, so it never averages anything. Remove it.",
+            )

@@ -26,6 +26,7 @@ from ._validation import (
     is_real,
     plain_number,
     resolve_ranks_per_node,
+    check_world_size,
     setting_error,
     warn_at_caller,
 )
@@ -311,81 +312,16 @@ class AveragingConfig:
         """:attr:`bucket_cap_mb` in bytes."""
         return int(self.bucket_cap_mb * 1_000_000)
 
-    def _check_ranks_per_node(self, world_size: int) -> None:
-        n, s = self.ranks_per_node, self.ranks_per_replica
-        if n is None:
-            return
-        if world_size % n != 0 or n % s != 0:
-            raise ValueError(
-                f"ranks_per_node={n} must divide the size of the process group ({world_size}) and be a multiple of "
-                f"ranks_per_replica={s}: nodes are blocks of ranks_per_node consecutive ranks holding whole replicas. "
-                "Set it to the ranks of one node (LOCAL_WORLD_SIZE), or to None for a flat all-reduce."
-            )
-        for level in self.levels:
-            if level.group_size > n and level.group_size % n != 0:
-                raise ValueError(
-                    f"ranks_per_node={n} must divide group size {level.group_size} of period {level.period}: a level "
-                    "spanning several nodes averages whole nodes node-aware. Change the group size to a multiple of "
-                    f"{n}, or set ranks_per_node=None for a flat all-reduce."
-                )
-
     def check_world_size(self, world_size: int) -> None:
-        """Check the levels against the size of the overall process group (torchtitan's cross-config checks).
+        """Check the levels against the size of the overall process group.
 
         Raises:
             ValueError: if a group size does not divide ``world_size``, is not a multiple of
-                :attr:`ranks_per_replica`, or the last group size is not ``world_size``.
+                :attr:`ranks_per_replica`, or the last group size is not ``world_size``; if
+                :attr:`ranks_per_node` does not fit the group sizes.
 
         Warns:
-            UserWarning: (at the first caller outside hieravg_optim) for a largest period of 1, as torch, or levels
-                whose groups do not nest.
+            UserWarning: (at the first caller outside hieravg_optim) for a largest period of 1, as torch, levels
+                whose groups do not nest, or a level (or a process group) holding a single replica.
         """
-        s = self.ranks_per_replica
-        if world_size % s != 0:
-            raise ValueError(
-                f"ranks_per_replica={s} must divide the size of the process group ({world_size}): "
-                "every replica is a block of ranks_per_replica consecutive ranks."
-            )
-        for level in self.levels:
-            if world_size % level.group_size != 0:
-                raise ValueError(
-                    f"Group size {level.group_size} of period {level.period} must divide the size of the "
-                    f"process group ({world_size})."
-                )
-            if level.group_size % s != 0:
-                raise ValueError(
-                    f"Group size {level.group_size} of period {level.period} must be a multiple of "
-                    f"ranks_per_replica={s}: a level averages whole replicas."
-                )
-        self._check_ranks_per_node(world_size)
-        last = self.levels[-1].group_size
-        if last != world_size:
-            raise ValueError(
-                f"The last group size in period_group_size ({last}, period {self.levels[-1].period}) must be "
-                f"equal to the size of the process group ({world_size}): the top level averages all replicas."
-            )
-        if self.levels[-1].period == 1:
-            warn_at_caller(
-                "The largest period in period_group_size is 1: averaging parameters every step costs at least "
-                "as much as all-reducing gradients. Use plain DDP / ZeRO / FSDP instead.",
-            )
-        for lower, upper in zip(self.levels, self.levels[1:]):
-            if upper.group_size % lower.group_size != 0:
-                warn_at_caller(
-                    f"Group size {lower.group_size} (period {lower.period}) does not divide group size "
-                    f"{upper.group_size} (period {upper.period}): the levels' groups do not nest, so this is "
-                    "not a hierarchy. It is legal, as in torch, but rarely intended.",
-                )
-        if world_size == s:
-            warn_at_caller(
-                f"ranks_per_replica={s} is the size of the process group: there is a single replica, so "
-                "hierarchical averaging never averages anything. Lower ranks_per_replica (e.g. to the ranks of "
-                "one node).",
-            )
-            return
-        for level in self.levels[:-1]:
-            if level.group_size == s:
-                warn_at_caller(
-                    f"Level with period {level.period} has group size {level.group_size} == ranks_per_replica: "
-                    "its groups hold a single replica, so it never averages anything. Remove it.",
-                )
+        check_world_size(self, world_size)
