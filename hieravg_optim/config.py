@@ -41,6 +41,7 @@ __all__ = [
     "AveragingConfig",
     "FieldCheck",
     "check_collective_timeout_s",
+    "check_log_metrics_every",
     "check_nonfinite",
     "check_setting",
     "is_int",
@@ -87,6 +88,12 @@ FIELD_CHECKS: dict[str, FieldCheck] = {
         tail=': "raise" (the default) raises on every rank of the group, "skip_replica" averages only the finite '
         'replicas, "ignore" does not check.',
     ),
+    "log_metrics_every": FieldCheck(
+        lambda v: v is None or is_positive_int(v),
+        "a positive integer number of steps or None",
+        json="a positive integer number of steps or null",
+        tail=". Pass e.g. log_metrics_every=100 to log the averaging metrics every 100 steps.",
+    ),
 }
 """The check of each field checked alone: run by ``__post_init__``, rendered for Python or for the DeepSpeed
 section (:func:`~hieravg_optim._validation.in_section`). The others are checked against the levels."""
@@ -99,6 +106,7 @@ def check_setting(name: str, value: object) -> None:
 
 check_collective_timeout_s = functools.partial(check_setting, "collective_timeout_s")
 check_nonfinite = functools.partial(check_setting, "nonfinite")
+check_log_metrics_every = functools.partial(check_setting, "log_metrics_every")
 _DEVICE_JSON = 'a torch device name such as "cpu", or null (with the master weights)'
 
 
@@ -208,6 +216,10 @@ class AveragingConfig:
     ``backup_device``); ``None`` (default): each tensor's own device. Memory per outer level: one fp32 copy
     of the averaged tensors, plus the outer optimizer's state (Nesterov SGD: one more)."""
 
+    log_metrics_every: int | None = None
+    """Log the averaging metrics at INFO through the ``hieravg_optim.optimizer`` logger every this many steps
+    (at counts that are multiples of it); ``None`` (default) never logs."""
+
     _outer_kinds: dict[int, object] = field(init=False, repr=False, compare=False, hash=False, default_factory=dict)
     """Per period, the outer optimizer's class and hyperparameters, probed once: what the ranks agree on."""
 
@@ -260,6 +272,7 @@ class AveragingConfig:
         average_frozen: bool = False,
         outer_optimizers: Mapping[int | str, OuterFactory] | None = None,
         outer_state_device: str | torch.device | None = None,
+        log_metrics_every: int | None = None,
     ) -> AveragingConfig:
         """Build a config from the user forms of the settings; each keyword is the field of the same name.
 
@@ -275,6 +288,7 @@ class AveragingConfig:
         levels = parse_levels(period_group_size)
         numbers = {"warmup_steps": warmup_steps, "ranks_per_replica": ranks_per_replica, "bucket_cap_mb": bucket_cap_mb}
         numbers["collective_timeout_s"] = collective_timeout_s
+        numbers["log_metrics_every"] = log_metrics_every
         for name, value in numbers.items():  # named as given, before they become plain ints and floats
             check_setting(name, value)
         return cls(
@@ -290,6 +304,7 @@ class AveragingConfig:
             nonfinite=nonfinite,  # type: ignore[arg-type]
             outer_optimizers=check_outer_optimizers(outer_optimizers, levels),
             outer_state_device=_outer_state_device(outer_state_device),
+            log_metrics_every=plain_number(log_metrics_every),  # type: ignore[arg-type]
         )
 
     def agreement_value(self) -> dict[str, object]:

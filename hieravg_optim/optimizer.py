@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import agree_across_ranks, raise_on_every_rank
-from .averager import TAKE_ANCHORS, HierarchicalAverager, LevelMetrics, check_log_metrics_every, local_tensor
+from .averager import TAKE_ANCHORS, HierarchicalAverager, LevelMetrics, local_tensor
 from .checks import (
     add_checked_param_group,
     check_dtensor_layout,
@@ -100,8 +100,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         bucket_cap_mb: Bucket size, in MB: [`bucket_cap_mb`][hieravg_optim.AveragingConfig.bucket_cap_mb].
         buffers: Tensors averaged on the same schedule, e.g. ``model.buffers()``
             (BatchNorm running statistics); non-floating ones are left untouched.
-        log_metrics_every: Log :meth:`metrics` at INFO through the ``hieravg_optim.optimizer``
-            logger every this many steps; ``None`` (default) never logs.
+        log_metrics_every: Log :meth:`metrics` every this many steps:
+            [`log_metrics_every`][hieravg_optim.AveragingConfig.log_metrics_every].
         tensors_to_average: Called at each round, after the inner step; returns the tensors to average
             instead of the parameters (``buffers`` are still averaged after them), the same number, shapes
             and dtypes on every rank. For fp32 master weights: the masters, which the next step reads, e.g.
@@ -192,10 +192,10 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
                 average_frozen=average_frozen,
                 outer_optimizers=outer_optimizers,
                 outer_state_device=outer_state_device,
+                log_metrics_every=log_metrics_every,
             )
             if isinstance(buffers, torch.Tensor):
                 raise TypeError("buffers must be an iterable of tensors, e.g. model.buffers(), got a single Tensor.")
-            check_log_metrics_every(log_metrics_every)
             if tensors_to_average is not None and not callable(tensors_to_average):
                 raise TypeError(
                     f"tensors_to_average must be a function returning the tensors to average, got "
@@ -226,13 +226,13 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
-        # Until the averager reads these two fields from the config itself (and compares
+        # Until the averager reads these three fields from the config itself (and compares
         # config.agreement_value()), they travel as its keywords, and the factories, whose repr differs
         # between processes, stay out of the config it compares by repr.
         self.averager = HierarchicalAverager(
             dataclasses.replace(config, outer_optimizers={}),
             process_group,
-            log_metrics_every=log_metrics_every,
+            log_metrics_every=config.log_metrics_every,
             outer_optimizers=config.outer_optimizers,
             outer_state_device=config.outer_state_device,
         )

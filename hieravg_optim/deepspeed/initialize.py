@@ -20,7 +20,7 @@ from ..agreement import agree_across_ranks
 from .._validation import warn_at_caller
 from ..config import AveragingConfig
 from ..outer import OuterFactory
-from .engine import DeepSpeedAveraging, attach, keep_trace_checks_in_replica
+from .engine import DeepSpeedAveraging, attach, get_averaging, keep_trace_checks_in_replica
 from .mpu import ReplicaParallelUnit
 from .local import Local, check_locally, find_config
 from .section import SECTION, check_world_size
@@ -157,7 +157,7 @@ def initialize(
     if local.averaging_config is None:  # "enabled": false
         return _deepspeed_initialize(args, from_args, local.ds_config, ds_kwargs)
     config = local.averaging_config
-    return _initialize_with_averaging(
+    result = _initialize_with_averaging(
         config,
         args,
         from_args,
@@ -170,6 +170,9 @@ def initialize(
         outer_optimizers=config.outer_optimizers,
         outer_state_device=config.outer_state_device,
     )
+    # Until the averager reads log_metrics_every from its config (it takes it as a keyword today).
+    get_averaging(result[0]).averager.log_metrics_every = config.log_metrics_every  # type: ignore[union-attr]
+    return result
 
 
 def _init_distributed(ds_kwargs: Mapping[str, Any]) -> None:

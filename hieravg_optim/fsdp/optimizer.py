@@ -92,7 +92,7 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             ``True`` by default here, because FSDP reduces gradients within a replica only.
         **settings: Any other setting of :meth:`~hieravg_optim.AveragingConfig.create` (``bucket_cap_mb``,
             ``average_frozen``, ``collective_timeout_s``, ``nonfinite``, ``comm_dtype``, ``ranks_per_node``,
-            ``outer_optimizers``, ``outer_state_device``), with its default there; see
+            ``outer_optimizers``, ``outer_state_device``, ``log_metrics_every``), with its default there; see
             :class:`~hieravg_optim.AveragingConfig`. Here ``nonfinite`` is checked per shard index, and an
             FSDP1 flat parameter with ``use_orig_params=True`` mixing frozen and trainable parameters is
             averaged whole under ``average_frozen=False`` (put frozen modules in their own FSDP unit to skip
