@@ -156,9 +156,9 @@ def initialize(
         return deepspeed.initialize(args=args, config=config, config_params=config_params, **ds_kwargs)
     if local.averaging_config is None:  # "enabled": false
         return _deepspeed_initialize(args, from_args, local.ds_config, ds_kwargs)
-    config = local.averaging_config
+    averaging = local.averaging_config
     result = _initialize_with_averaging(
-        config,
+        averaging,
         args,
         from_args,
         local.ds_config,
@@ -166,12 +166,12 @@ def initialize(
         training_data,
         collate_fn,
         average_buffers=local.settings.average_buffers,
-        average_frozen=config.average_frozen,
-        outer_optimizers=config.outer_optimizers,
-        outer_state_device=config.outer_state_device,
+        average_frozen=averaging.average_frozen,
+        outer_optimizers=averaging.outer_optimizers,
+        outer_state_device=averaging.outer_state_device,
     )
     # Until the averager reads log_metrics_every from its config (it takes it as a keyword today).
-    get_averaging(result[0]).averager.log_metrics_every = config.log_metrics_every  # type: ignore[union-attr]
+    get_averaging(result[0]).averager.log_metrics_every = averaging.log_metrics_every  # type: ignore[union-attr]
     return result
 
 
