@@ -12,7 +12,7 @@ import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -298,7 +298,7 @@ class AveragingConfig:
             ranks_per_replica=plain_number(ranks_per_replica),  # type: ignore[arg-type]
             ranks_per_node=resolve_ranks_per_node(ranks_per_node),  # type: ignore[arg-type]
             bucket_cap_mb=as_real(bucket_cap_mb),  # type: ignore[arg-type]
-            comm_dtype=parse_comm_dtype(comm_dtype, levels),
+            comm_dtype=comm_dtype if isinstance(comm_dtype, tuple) else parse_comm_dtype(comm_dtype, levels),
             average_frozen=average_frozen,
             collective_timeout_s=as_real(collective_timeout_s),  # type: ignore[arg-type]
             nonfinite=nonfinite,  # type: ignore[arg-type]
@@ -306,6 +306,12 @@ class AveragingConfig:
             outer_state_device=_outer_state_device(outer_state_device),
             log_metrics_every=plain_number(log_metrics_every),  # type: ignore[arg-type]
         )
+
+    def updated(self, **settings: Any) -> AveragingConfig:
+        """This config with the given settings changed, each in any form :meth:`create` takes (``"cpu"`` for
+        ``outer_state_device``, string period keys); e.g. to fold in the keywords of an older signature."""
+        current = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "levels"}
+        return type(self).create(self.levels, **{**current, **settings})
 
     def agreement_value(self) -> dict[str, object]:
         """What the ranks of a process group compare at construction: every field, each outer factory as the
