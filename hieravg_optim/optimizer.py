@@ -92,34 +92,26 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: The inner (local) optimizer.
         period_group_size_dict: ``{period: group_size}``, e.g. ``{4: 8, 32: 32}``: every ``period`` steps, blocks
-            of ``group_size`` consecutive ranks average (the levels, [`levels`][hieravg_optim.AveragingConfig.levels]).
+            of ``group_size`` consecutive ranks average: [`levels`][hieravg_optim.AveragingConfig.levels].
         warmup_steps: Steps that never average: [`warmup_steps`][hieravg_optim.AveragingConfig.warmup_steps].
         process_group: The overall group; ``None`` means the default group.
-        ranks_per_replica: Ranks holding one (sharded) replica:
-            [`ranks_per_replica`][hieravg_optim.AveragingConfig.ranks_per_replica].
+        ranks_per_replica: Ranks of one replica: [`ranks_per_replica`][hieravg_optim.AveragingConfig.ranks_per_replica].
         bucket_cap_mb: Bucket size, in MB: [`bucket_cap_mb`][hieravg_optim.AveragingConfig.bucket_cap_mb].
         buffers: Tensors averaged on the same schedule, e.g. ``model.buffers()``
             (BatchNorm running statistics); non-floating ones are left untouched.
-        log_metrics_every: Log :meth:`metrics` every this many steps:
-            [`log_metrics_every`][hieravg_optim.AveragingConfig.log_metrics_every].
+        log_metrics_every: Log :meth:`metrics`: [`log_metrics_every`][hieravg_optim.AveragingConfig.log_metrics_every].
         tensors_to_average: Called at each round, after the inner step; returns the tensors to average
             instead of the parameters (``buffers`` are still averaged after them), the same number, shapes
             and dtypes on every rank. For fp32 master weights: the masters, which the next step reads, e.g.
             ``lambda: [inner.state[p]["master_param"] for p in params]``. ``None``: the parameters.
-        synchronous_warmup: Average all replicas after every warm-up step:
-            [`synchronous_warmup`][hieravg_optim.AveragingConfig.synchronous_warmup].
-        average_frozen: Also average ``requires_grad=False`` parameters:
-            [`average_frozen`][hieravg_optim.AveragingConfig.average_frozen].
-        collective_timeout_s: Timeout of the averaging collectives, in seconds:
-            [`collective_timeout_s`][hieravg_optim.AveragingConfig.collective_timeout_s].
-        nonfinite: What a round does with a NaN or an infinity: [`nonfinite`][hieravg_optim.AveragingConfig.nonfinite].
-        comm_dtype: The dtype tensors travel in: [`comm_dtype`][hieravg_optim.AveragingConfig.comm_dtype].
-        ranks_per_node: Ranks of one node, for node-aware levels:
-            [`ranks_per_node`][hieravg_optim.AveragingConfig.ranks_per_node].
-        outer_optimizers: ``{period: factory}``, outer optimizers (DiLoCo):
-            [`outer_optimizers`][hieravg_optim.AveragingConfig.outer_optimizers].
-        outer_state_device: Where anchors and outer state live:
-            [`outer_state_device`][hieravg_optim.AveragingConfig.outer_state_device].
+        synchronous_warmup: [`synchronous_warmup`][hieravg_optim.AveragingConfig.synchronous_warmup].
+        average_frozen: Frozen parameters too: [`average_frozen`][hieravg_optim.AveragingConfig.average_frozen].
+        collective_timeout_s: In seconds: [`collective_timeout_s`][hieravg_optim.AveragingConfig.collective_timeout_s].
+        nonfinite: NaN or infinity: [`nonfinite`][hieravg_optim.AveragingConfig.nonfinite].
+        comm_dtype: The wire dtype: [`comm_dtype`][hieravg_optim.AveragingConfig.comm_dtype].
+        ranks_per_node: Node-aware levels: [`ranks_per_node`][hieravg_optim.AveragingConfig.ranks_per_node].
+        outer_optimizers: DiLoCo: [`outer_optimizers`][hieravg_optim.AveragingConfig.outer_optimizers].
+        outer_state_device: Anchors' device: [`outer_state_device`][hieravg_optim.AveragingConfig.outer_state_device].
 
     Raises:
         ValueError: for an invalid setting, naming it (see :class:`~hieravg_optim.AveragingConfig`), before
