@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import replica
 from ._handover import hand_over
 from .agreement import agree_across_ranks, check_agreement, has_nonfinite, raise_on_every_rank
 from .averaging import BucketPool, average_tensors_
@@ -25,7 +26,7 @@ from .config import AveragingConfig, is_int, warn_at_caller
 from .faults import named_collective
 from .groups import LevelGroup, build_level_groups, process_group_timeout
 from .outer import OuterFactory, OuterLevel, check_outer_optimizers, check_outer_state_device, probe_factory
-from .replica import build_replica_group, replica_any
+from .replica import replica_any, replica_group_for
 from .schedule import AveragingLevel, level_at, period_of_key
 
 try:  # torch >= 2.5
@@ -164,6 +165,9 @@ class HierarchicalAverager:
             See :func:`hieravg_optim.nesterov_outer`.
         outer_state_device: Where the anchors and the outer optimizer's state live, e.g. ``"cpu"`` to keep
             them off the accelerator (torchft's ``backup_device``); ``None`` (default): each tensor's own device.
+        replica_group: This rank's replica group (its ``ranks_per_replica`` consecutive ranks), if one exists
+            already, e.g. the DeepSpeed mpu's data-parallel group: used for the replica's finiteness vote and
+            :meth:`average_within_replica` instead of building another; ``None``: built when needed.
 
     Raises:
         ValueError: from :meth:`AveragingConfig.check_world_size`, for a ``log_metrics_every``
@@ -189,6 +193,7 @@ class HierarchicalAverager:
         agreed: bool = False,
         outer_optimizers: Mapping[int | str, OuterFactory] | None = None,
         outer_state_device: str | torch.device | None = None,
+        replica_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             check_log_metrics_every(log_metrics_every)  # a bad value is named first, as with a process group
@@ -229,7 +234,7 @@ class HierarchicalAverager:
             agree_across_ranks("the averaging config", agreed_value, self.process_group, error=error)
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
         # A sharded replica's ranks decide together whether it is finite (one int64 per round).
-        self._replica_group = build_replica_group(config, self.process_group, self._group_timeout())
+        self._replica_group = replica_group_for(config, self.process_group, self._group_timeout(), replica_group)
         self._replica_ranks = (
             [] if self._replica_group is None else dist.get_process_group_ranks(self._replica_group)
         )
@@ -637,42 +642,55 @@ class HierarchicalAverager:
                 if o.mismatch(local) is None:
                     o.reset(local)
 
-    @torch.no_grad()
-    def broadcast_from_first_replica(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Overwrite ``tensors`` in place with those of the first replica (as DDP broadcasts from rank 0).
+    def broadcast_from_first_replica(
+        self, tensors: Sequence[torch.Tensor], whole: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """Overwrite ``tensors`` (this rank's shards) and ``whole`` in place with the first replica's.
 
-        Each rank receives from the rank of its top-level subgroup in replica 0, i.e. the rank holding
-        the same shard there; with ``ranks_per_replica=1``, from rank 0. The DeepSpeed and FSDP adapters
-        call it at construction, so that every replica starts from the same weights.
+        Each rank receives ``tensors`` from the rank of its top-level subgroup in replica 0, i.e. the rank
+        holding the same shard there (with ``ranks_per_replica=1``, rank 0), and ``whole`` (tensors every
+        rank holds whole, e.g. buffers) from the first rank of the process group; see
+        :func:`hieravg_optim.replica.broadcast_from_first_replica`. The DeepSpeed and FSDP adapters call it
+        at construction, so that every replica starts from the same weights.
 
         .. warning::
-            Collective over the default process group: one agreement check (an all-reduce of four
-            int64), then one broadcast per tensor, over this rank's top-level subgroup.
-
-        Args:
-            tensors: This rank's tensors (shards), the same number, shapes and dtypes on every rank of
-                its top-level subgroup.
+            Collective over the process group: one agreement, then one broadcast per tensor.
 
         Raises:
-            RuntimeError: on every rank of the subgroup, before any broadcast, if the ranks disagree on
-                the tensors' number, shapes or dtypes; if a collective fails (a dead or hung peer), naming
-                it and the subgroup's ranks (:func:`hieravg_optim.faults.named_collective`).
+            RuntimeError: on every rank, before any broadcast, if the ranks disagree on the tensors' number,
+                shapes or dtypes; if a collective fails (a dead or hung peer), naming it and the group's ranks.
         """
         top = self.level_groups[-1]
-        if top.group is None:
+        replica.broadcast_from_first_replica(
+            tensors, whole, top=top, process_group=self.process_group, timeout_s=self._timeout_s(top)
+        )
+
+    def average_within_replica(self, tensors: Sequence[torch.Tensor], level_index: int = -1) -> None:
+        """Average ``tensors``, held whole by every rank (buffers), over this rank's replica, after a round.
+
+        A round at ``level_index`` averaged them with the same-shard ranks of the other replicas; this
+        gives them their mean over the level's whole block. Agreed and named, counted in that level's
+        :meth:`metrics` (see :func:`hieravg_optim.replica.average_within_replica`). A no-op with
+        ``ranks_per_replica=1``.
+
+        .. warning::
+            Collective over this rank's replica.
+        """
+        if self.config.ranks_per_replica == 1:
             return
-        what = "the broadcast from the first replica at construction"
-        with named_collective(what, top.ranks, timeout_s=self._timeout_s(top)):
-            check_agreement(
-                tensors,
-                top.group,
-                top.ranks,
-                context={"operation": "broadcast from the first replica"},
-                what="the tensors broadcast from the first replica at construction",
-            )
-            for t in tensors:
-                hand_over(t)
-                dist.broadcast(t, src=top.ranks[0], group=top.group)
+        if self._replica_group is None:
+            raise RuntimeError("average_within_replica needs the replica's group: pass replica_group= at construction.")
+        metrics = self._metrics[level_index]
+        start = time.perf_counter()
+        what = f"the average within the replica after the round of period {metrics.period}, at step {self.step}"
+        payload = replica.average_within_replica(
+            tensors, self._replica_group, step=self.step, what=what, bucket_cap_bytes=self.config.bucket_cap_bytes,
+            pool=self.pool,
+        )
+        n = self.config.ranks_per_replica
+        metrics.payload_bytes += payload
+        metrics.bytes_sent += 2 * (n - 1) * payload // n
+        metrics.seconds += time.perf_counter() - start
 
     def _group_timeout(self) -> timedelta | None:
         """The timeout of groups created here: ``collective_timeout_s``, else that of the process group."""

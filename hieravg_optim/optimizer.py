@@ -235,8 +235,11 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             self.averager.take_anchors(self.tensors_to_average(), agree=True)
 
     def _sync_replicas_at_construction(self) -> None:
-        """Make the replicas equal at construction, before the anchors are taken. Nothing here: plain
-        PyTorch and DDP start from equal weights (DDP broadcasts from rank 0); adapters broadcast."""
+        """Make the replicas equal at construction, before the anchors are taken: the hook every entry point
+        runs, by one rule (:meth:`HierarchicalAverager.broadcast_from_first_replica`: sharded tensors from the
+        same-shard rank of replica 0, whole ones from the first rank). FSDP broadcasts its shards; the
+        DeepSpeed adapter its masters, frozen parameters and buffers. Nothing here: plain PyTorch and DDP
+        start from equal weights (DDP broadcasts from rank 0)."""
 
     # -- the inner optimizer's state, read and assigned through --------------------------------
     @property

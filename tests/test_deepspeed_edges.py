@@ -11,6 +11,9 @@
   trace check runs within the replica).
 * ``"nonfinite": "skip_replica"`` under ZeRO-0 with a NaN gradient in one replica: that replica gets
   the other's weights, and the NaN of its Adam moments are zeroed, so it is skipped once only.
+* A rank whose model has another set of buffers: a ``RuntimeError`` on every rank at
+  initialisation, naming the broadcast from the first replica, before any broadcast (not a hang or
+  a backend error); whether the odd rank's peers in the other replica differ too or not.
 
 All scenarios run in one spawn of 4 ranks.
 """
@@ -229,6 +232,23 @@ def _nonfinite_skip_case(rank):
     }
 
 
+def _other_buffers_case(rank, odd_ranks):
+    """One more float buffer on the ranks ``odd_ranks``: initialize raises on every rank, naming the broadcast."""
+    import torch
+
+    import hieravg_optim.deepspeed as hds
+
+    model = _bn_model()
+    if rank in odd_ranks:
+        model[1].register_buffer("extra", torch.ones(3))  # a buffer only: DeepSpeed's parameters stay the same
+    section = {"period_group_size": {"2": WORLD}, "ranks_per_replica": S}
+    try:
+        hds.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=_config(1, section))
+    except RuntimeError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None}
+
+
 def _all_scenarios(rank, world_size):
     import torch
 
@@ -243,6 +263,10 @@ def _all_scenarios(rank, world_size):
             "empty_group_scheduler_callable": lambda r: _empty_group_case(r, as_callable=True),
             "zero3_branch_per_replica": _zero3_branch_case,
             "nonfinite_skip_zero0": _nonfinite_skip_case,
+            # Rank 3 only: its shard group {1, 3} disagrees, and ranks 0 and 2 learn it in the world's agreement.
+            "other_buffers_one_rank": lambda r: _other_buffers_case(r, {3}),
+            # Ranks 1 and 3, the same shard index: their shard group agrees; the world's agreement does not.
+            "other_buffers_one_shard": lambda r: _other_buffers_case(r, {1, 3}),
         },
         rank,
     )
@@ -311,3 +335,13 @@ def test_average_buffers_key_is_validated():
     assert parse_section({"period_group_size": {"2": 4}, "average_buffers": False}).average_buffers is False
     with pytest.raises(ValueError, match=r'"average_buffers" must be true or false, got 1'):
         parse_section({"period_group_size": {"2": 4}, "average_buffers": 1})
+
+
+@pytest.mark.parametrize("case", ["other_buffers_one_rank", "other_buffers_one_shard"])
+def test_other_buffers_on_some_ranks_raise_on_every_rank(results, case):
+    for rank, per_rank in enumerate(results):
+        error = per_rank[case]["error"]
+        assert error is not None and error.startswith("RuntimeError"), (rank, error)
+        assert "the tensors broadcast from the first replica at construction" in error, (rank, error)
+        assert "failed on rank" not in error and "Connection" not in error, (rank, error)  # not a backend error
+        assert "((3,), 'float32')" in error, (rank, error)  # the odd buffer, named

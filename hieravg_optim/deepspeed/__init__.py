@@ -34,13 +34,15 @@ https://arxiv.org/abs/1808.07217. Written against DeepSpeed 0.19.8.
 
 The modules: :mod:`~hieravg_optim.deepspeed.section` (the config section),
 :mod:`~hieravg_optim.deepspeed.mpu` (the replica mpu), :mod:`~hieravg_optim.deepspeed.engine`
-(the fp32 masters and the engine hooks), :mod:`~hieravg_optim.deepspeed.checkpoint`
-(per-replica checkpoints) and :mod:`~hieravg_optim.deepspeed.initialize`. Inside this package,
+(the fp32 masters and the step), :mod:`~hieravg_optim.deepspeed.hooks` (the engine patches),
+:mod:`~hieravg_optim.deepspeed.checkpoint` (per-replica checkpoint files) and
+:mod:`~hieravg_optim.deepspeed.initialize`. Inside this package,
 ``import deepspeed`` is DeepSpeed itself (absolute imports).
 """
 
 from .checkpoint import CHECKPOINT_KEY, outer_state_file, replica_checkpoint_dir
-from .engine import DeepSpeedAveraging, get_averaging
+from .engine import DeepSpeedAveraging
+from .hooks import get_averaging
 from .initialize import initialize
 from .mpu import ReplicaParallelUnit
 from .section import SECTION, SectionSettings, parse_section

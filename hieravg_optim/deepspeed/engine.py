@@ -1,34 +1,27 @@
-"""The averaging attached to a DeepSpeed engine: its fp32 master weights and its step hook.
+"""The averaging attached to a DeepSpeed engine: its fp32 master weights and its step.
 
 :class:`DeepSpeedAveraging` knows, for each kind of DeepSpeed optimizer (ZeRO 0-3, fp32,
 bf16, fp16), which tensors are this rank's fp32 master weights and how DeepSpeed's own
-routines push them into the live module parameters; :func:`attach` hooks it into the
-engine's optimizer step and checkpoints. Written against DeepSpeed 0.19.8.
+routines push them into the live module parameters; every collective goes through its
+:class:`~hieravg_optim.HierarchicalAverager`. :func:`hieravg_optim.deepspeed.hooks.attach`
+hooks it into the engine's optimizer step and checkpoints. Written against DeepSpeed 0.19.8.
 """
 
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._handover import hand_over
 from ..averager import HierarchicalAverager
-from ..averaging import average_tensors_
 from ..config import AveragingConfig
-from ..faults import named_collective
 from ..inner import repair_skipped_replica_state
 from ..outer import OuterFactory
-from .checkpoint import wrap_checkpoints
 from .mpu import ReplicaParallelUnit
 
-__all__ = ["DeepSpeedAveraging", "attach", "get_averaging", "keep_trace_checks_in_replica"]
-
-_ATTRIBUTE = "hierarchical_averaging"
-"""The engine attribute holding its :class:`DeepSpeedAveraging`."""
+__all__ = ["DeepSpeedAveraging"]
 
 
 def _optimizer_kind(optimizer: Any) -> str:
@@ -101,8 +94,10 @@ class DeepSpeedAveraging:
     DDP does), and whenever a level averages, it is replaced by its mean over that level's
     whole block of ``group_size`` ranks: first with the ranks at the same position in the
     other replicas (with the master weights, in the same collective), then within the
-    replica (one more all-reduce over the replica, of the buffers only, not counted in
-    :meth:`metrics`). Buffers are never partitioned by ZeRO, so this holds for stages 0-3.
+    replica (:meth:`HierarchicalAverager.average_within_replica
+    <hieravg_optim.HierarchicalAverager.average_within_replica>`: one more all-reduce over the
+    replica, of the buffers only, agreed and counted in the level's :meth:`metrics`). Buffers
+    are never partitioned by ZeRO, so this holds for stages 0-3.
     Frozen parameters (``requires_grad=False``): DeepSpeed keeps no master weights for them
     (its optimizers drop them from their groups), so they are not averaged, and under ZeRO-0 with
     fp32 (where the master weights are the client optimizer's ``param_groups``) they are skipped.
@@ -135,9 +130,12 @@ class DeepSpeedAveraging:
             module (on every rank: the model is the same on all), or for CPU master weights over a
             backend that cannot all-reduce them.
 
+    At construction every replica is made equal to replica 0 (:meth:`broadcast_from_first_replica`),
+    then, with outer optimizers and no warm-up, the anchors are taken.
+
     .. warning::
-        With ``average_buffers``, the constructor is collective over the default process group (the
-        broadcast of the buffers): every rank must construct it with the same value.
+        The constructor is collective over the default process group (the broadcast from the first
+        replica): every rank must construct it, with the same settings.
     """
 
     def __init__(
@@ -172,7 +170,12 @@ class DeepSpeedAveraging:
                 'torch.distributed with a CPU-capable backend such as "cpu:gloo,cuda:nccl".'
             )
         self.averager = HierarchicalAverager(
-            config, agreed=agreed, outer_optimizers=outer_optimizers, outer_state_device=outer_state_device
+            config,
+            agreed=agreed,
+            outer_optimizers=outer_optimizers,
+            outer_state_device=outer_state_device,
+            # The mpu's replica groups serve the averaging too (its finiteness vote, the buffers' pass).
+            replica_group=mpu.get_data_parallel_group() if config.ranks_per_replica > 1 else None,
         )
         self.buffers: list[torch.Tensor] = (
             [b.detach() for b in engine.module.buffers() if b.is_floating_point()] if average_buffers else []
@@ -180,11 +183,12 @@ class DeepSpeedAveraging:
         """The module's floating-point buffers this averaging averages (empty without ``average_buffers``)."""
         # Buffers come last in tensors_to_average(); an outer optimizer steps the weights only.
         self.averager.outer_skip_last = len(self.buffers)
-        world = list(range(dist.get_world_size()))
-        with torch.no_grad(), named_collective("the broadcast of the module's buffers from rank 0 at construction", world):
-            for b in self.buffers:
-                hand_over(b)
-                dist.broadcast(b, src=0)
+        self._sync_replicas_at_construction()
+
+    def _sync_replicas_at_construction(self) -> None:
+        """Make the replicas equal at construction (the hook of every entry point): replica 0's masters,
+        frozen parameters and buffers; then, with outer optimizers and no warm-up, the anchors."""
+        self.broadcast_from_first_replica()
 
     @property
     def step(self) -> int:
@@ -295,38 +299,22 @@ class DeepSpeedAveraging:
                 # The masters got the finite replicas' mean; NaN moments would write NaN back at the next step.
                 opt = self.engine.optimizer
                 repair_skipped_replica_state(getattr(opt, "optimizer", opt), count)
-            if self._round_changes_masters(index):
-                self.push_to_module()
-            self._average_buffers_in_replica()
+            self._after_round(index)
         return index
 
-    def _round_changes_masters(self, level_index: int) -> bool:
-        """Whether a round at ``level_index`` may have changed the master weights (then they are pushed).
-
-        A level with other ranks to average with does; so does a level with an outer optimizer even
-        without (its step moves the weights from the anchor, as a Lookahead optimizer does).
-        """
-        lg = self.averager.level_groups[level_index]
-        return lg.group is not None or lg.level.period in self.averager.outer_periods
-
-    @torch.no_grad()
-    def _average_buffers_in_replica(self) -> None:
-        """Average the buffers over the replica; after a level's round, their mean over its whole block.
+    def _after_round(self, level_index: int) -> None:
+        """After a round at ``level_index``: push the masters into the module if the round may have changed
+        them, and average the buffers within the replica (their mean over the level's whole block).
 
         .. warning::
-            Collective over the replica when there are buffers to average.
+            Collective over the replica.
         """
-        size = self.mpu.get_data_parallel_world_size()
-        if self.buffers and size > 1:
-            what = f"the averaging of the module's buffers within the replica at step {self.averager.step}"
-            with named_collective(what, self.mpu.get_data_parallel_group_ranks()):
-                average_tensors_(
-                    self.buffers,
-                    self.mpu.get_data_parallel_group(),
-                    size,
-                    bucket_cap_bytes=self.config.bucket_cap_bytes,
-                    pool=self.averager.pool,
-                )
+        lg = self.averager.level_groups[level_index]
+        # A level with other ranks changes the masters; so does an outer optimizer's step alone (Lookahead).
+        if lg.group is not None or lg.level.period in self.averager.outer_periods:
+            self.push_to_module()
+        if self.buffers:
+            self.averager.average_within_replica(self.buffers, level_index)
 
     def average_now(self, level_index: int = -1) -> None:
         """Average the master weights at one level now, whatever the count, and push them into the module.
@@ -340,23 +328,25 @@ class DeepSpeedAveraging:
             Collective over this rank's subgroup at that level and over its replica.
         """
         self.averager.average(level_index, self.tensors_to_average(), context=self._frozen_context())
-        if self._round_changes_masters(level_index):
-            self.push_to_module()
-        self._average_buffers_in_replica()
+        self._after_round(level_index)
 
     @torch.no_grad()
     def broadcast_from_first_replica(self) -> None:
         """Make every replica start from replica 0's weights (as DDP broadcasts from rank 0).
 
-        Broadcasts the master weights and the frozen parameters (:meth:`frozen_module_tensors`) with
-        :meth:`HierarchicalAverager.broadcast_from_first_replica <hieravg_optim.HierarchicalAverager.broadcast_from_first_replica>`,
-        then pushes the masters into the module. With outer optimizers and no warm-up, then takes
-        the anchors (:meth:`take_anchors`), so that they are replica 0's weights on every replica.
+        The master weights and the frozen parameters (:meth:`frozen_module_tensors`) come from the rank
+        holding the same shard in replica 0, and the :attr:`buffers` from rank 0, in one call of
+        :meth:`HierarchicalAverager.broadcast_from_first_replica
+        <hieravg_optim.HierarchicalAverager.broadcast_from_first_replica>` (one agreement: a rank with
+        other tensors, e.g. another set of buffers, is a ``RuntimeError`` on every rank); then the masters
+        are pushed into the module. With outer optimizers and no warm-up, then takes the anchors
+        (:meth:`take_anchors`), so that they are replica 0's weights on every replica. The constructor
+        calls it.
 
         .. warning::
             Collective over the default process group.
         """
-        self.averager.broadcast_from_first_replica(self.master_tensors() + self.frozen_module_tensors())
+        self.averager.broadcast_from_first_replica(self.master_tensors() + self.frozen_module_tensors(), self.buffers)
         self.push_to_module()
         if self.averager.has_outer and self.config.warmup_steps == 0:
             # Agreed: a rank that cannot take its anchors (no memory left for them) raises on every rank.
@@ -373,7 +363,7 @@ class DeepSpeedAveraging:
         """
         self.averager.take_anchors(self.tensors_to_average())
 
-    def _outer_state_location(self) -> torch.device:
+    def outer_state_location(self) -> torch.device:
         """Where this rank's anchors live: ``outer_state_device``, else with the master weights."""
         device = self.averager.outer_state_device
         return device if device is not None else self.master_tensors()[0].device
@@ -395,101 +385,3 @@ class DeepSpeedAveraging:
                 <hieravg_optim.HierarchicalAverager.load_state_dict>`; nothing is changed then.
         """
         self.averager.load_state_dict(state, self.tensors_to_average())
-
-
-def get_averaging(engine: Any) -> DeepSpeedAveraging | None:
-    """The :class:`DeepSpeedAveraging` of an engine built by :func:`initialize`, or ``None``."""
-    return engine.__dict__.get(_ATTRIBUTE)
-
-
-def attach(engine: Any, state: DeepSpeedAveraging) -> None:
-    """Attach ``state`` to ``engine`` as ``engine.hierarchical_averaging``, and hook it into the engine.
-
-    ``state.after_engine_step()`` then runs after every engine optimizer step (``_take_model_step``),
-    and ``save_checkpoint`` / ``load_checkpoint`` keep each replica in its own folder (see
-    :func:`~hieravg_optim.deepspeed.checkpoint.wrap_checkpoints`).
-
-    Raises:
-        NotImplementedError: if the engine lacks a method this adapter wraps (a DeepSpeed other than 0.19).
-    """
-    for name in ("_take_model_step", "save_checkpoint", "load_checkpoint"):
-        if not callable(getattr(type(engine), name, None)):
-            import deepspeed
-
-            raise NotImplementedError(
-                f"DeepSpeedEngine.{name} is missing in DeepSpeed {deepspeed.__version__}; hieravg_optim.deepspeed "
-                "is written for DeepSpeed 0.19. Use HierarchicalAveragingOptimizer with plain DDP instead."
-            )
-    original_take_model_step = engine._take_model_step
-
-    def _take_model_step(*args: Any, **kwargs: Any) -> Any:
-        out = original_take_model_step(*args, **kwargs)
-        state.after_engine_step()
-        return out
-
-    wrap_checkpoints(engine, state)
-    engine._take_model_step = _take_model_step
-    engine.__dict__[_ATTRIBUTE] = state
-
-
-_TRACE_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("hieravg_zero3_trace_group", default=None)
-"""The replica group while a replica engine's ZeRO-3 coordinator checks its trace; ``None`` otherwise."""
-
-
-def _assert_ints_same_in_replica(original: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
-    """DeepSpeed's ``assert_ints_same_as_other_ranks``, over the replica group while one is set."""
-
-    def assert_ints_same(ints: list[int]) -> None:
-        group = _TRACE_GROUP.get()
-        if group is None:
-            return original(ints)
-        lists: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(lists, list(ints), group=group)
-        if any(other != lists[0] for other in lists):
-            ranks = dist.get_process_group_ranks(group)
-            raise RuntimeError(
-                "ZeRO-3: the ranks of one replica recorded different module or parameter orders in their "
-                f"forward passes (ranks {ranks}: {lists}); the ranks of a replica must run the same modules "
-                "in the same order."
-            )
-        return None
-
-    assert_ints_same._hieravg_original = original  # type: ignore[attr-defined]
-    return assert_ints_same
-
-
-def keep_trace_checks_in_replica(engine: Any, group: dist.ProcessGroup) -> None:
-    """Make the ZeRO-3 engine's trace checks compare the ranks of ``group`` (its replica), not the world.
-
-    DeepSpeed's ZeRO-3 parameter coordinator records the order in which the forward pass uses the
-    submodules and, in ``reset_step`` (at the start of every forward until the trace is complete),
-    checks that every rank recorded the same order with ``assert_ints_same_as_other_ranks``, a
-    broadcast from global rank 0 over the whole world. Parameters are partitioned and gathered
-    within the replica only, so the order must agree within it; replicas may differ (a forward whose
-    branch depends on the replica's data or index), and with the world-wide check they fail with
-    "Detected a disagreement ... between rank0 and rank<k>". After this call, the checks issued from
-    this engine's ``reset_step`` all-gather the orders over ``group`` instead and raise a
-    ``RuntimeError`` on every rank of the replica when they differ. Other engines in the process are
-    unaffected. DeepSpeed's debugging checks (``safe_mode`` all-gathers, ``enable_sanity_checks``)
-    still compare the whole world.
-
-    .. warning::
-        The checks become collectives over ``group``: every rank of it runs the same forwards, as
-        ZeRO-3 requires anyway.
-    """
-    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
-
-    current = ppc.assert_ints_same_as_other_ranks
-    if not hasattr(current, "_hieravg_original"):
-        ppc.assert_ints_same_as_other_ranks = _assert_ints_same_in_replica(current)
-    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
-    reset_step = coordinator.reset_step
-
-    def reset_step_in_replica(*args: Any, **kwargs: Any) -> Any:
-        token = _TRACE_GROUP.set(group)
-        try:
-            return reset_step(*args, **kwargs)
-        finally:
-            _TRACE_GROUP.reset(token)
-
-    coordinator.reset_step = reset_step_in_replica

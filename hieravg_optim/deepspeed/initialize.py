@@ -20,9 +20,10 @@ from ..agreement import agree_across_ranks
 from .._validation import warn_at_caller
 from ..config import AveragingConfig
 from ..outer import OuterFactory
-from .engine import DeepSpeedAveraging, attach, get_averaging, keep_trace_checks_in_replica
-from .mpu import ReplicaParallelUnit
+from .engine import DeepSpeedAveraging
+from .hooks import attach, get_averaging
 from .local import Local, check_locally, find_config
+from .mpu import ReplicaParallelUnit
 from .section import SECTION, check_world_size
 
 __all__ = ["initialize"]
@@ -89,7 +90,7 @@ def initialize(
     ``<dir>/replica_<k>/`` with the averaging step count in the client state. Under ZeRO-3,
     DeepSpeed's check that every rank's forward used the submodules in the same order compares
     the ranks of one replica instead of the whole world (see
-    :func:`~hieravg_optim.deepspeed.engine.keep_trace_checks_in_replica`): replicas may take
+    :func:`~hieravg_optim.deepspeed.hooks.keep_trace_checks_in_replica`): replicas may take
     different branches.
 
     .. warning::
@@ -252,13 +253,15 @@ def _initialize_with_averaging(
     With outer optimizers and no warm-up, the anchors are taken right after that broadcast.
     """
     rpr = averaging_config.ranks_per_replica
-    replica_mpu = ReplicaParallelUnit(rpr)
+    # The replica groups serve the averaging too (the finiteness vote, the buffers): its timeout.
+    replica_mpu = ReplicaParallelUnit(rpr, timeout_s=averaging_config.collective_timeout_s)
     engine, ds_optimizer, dataloader, scheduler = _deepspeed_initialize(
         args, from_args, ds_config, ds_kwargs, mpu=replica_mpu
     )
     assert engine.optimizer is not None, "DeepSpeed built no optimizer although one was given"
     dataloader = _shard_over_world(engine, dataloader, training_data, collate_fn)
     # Checked against the world size and agreed on in _agree: the averager's own agreement would repeat it.
+    # Every replica starts from replica 0 (then the anchors, with outer optimizers and no warm-up).
     state = DeepSpeedAveraging(
         engine,
         averaging_config,
@@ -269,10 +272,7 @@ def _initialize_with_averaging(
         outer_optimizers=outer_optimizers,
         outer_state_device=outer_state_device,
     )
-    state.broadcast_from_first_replica()  # then the anchors, with outer optimizers and no warm-up
-    attach(engine, state)
-    if state.kind == "zero3":
-        keep_trace_checks_in_replica(engine, replica_mpu.get_data_parallel_group())
+    attach(engine, state)  # the step hook, per-replica checkpoints, ZeRO-3's trace check within the replica
     if dist.get_rank() == 0:
         logger.info(
             "hierarchical averaging on DeepSpeed: %d replicas of %d ranks (ZeRO stage %d, %s); levels %s, warmup %d, "

@@ -8,6 +8,8 @@ model-parallel group.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 
 __all__ = ["ReplicaParallelUnit"]
@@ -24,11 +26,16 @@ class ReplicaParallelUnit:
         The constructor is collective over the default process group: every rank creates
         every replica's group, in the same order, with :func:`torch.distributed.new_group`.
 
+    The replica groups are also the averaging's replica groups (its finiteness vote, the buffers'
+    average within the replica): the averager reuses them instead of building its own.
+
     Args:
         ranks_per_replica: Ranks per replica; must divide the world size.
+        timeout_s: The timeout of the replica groups, in seconds (``collective_timeout_s``: the averaging
+            uses them too); ``None``: :func:`torch.distributed.new_group`'s default.
     """
 
-    def __init__(self, ranks_per_replica: int) -> None:
+    def __init__(self, ranks_per_replica: int, *, timeout_s: float | None = None) -> None:
         world_size = dist.get_world_size()
         rank = dist.get_rank()
         if world_size % ranks_per_replica != 0:
@@ -41,9 +48,11 @@ class ReplicaParallelUnit:
         first = self.replica_index * ranks_per_replica
         self._dp_ranks = list(range(first, first + ranks_per_replica))
         self._dp_group = None
+        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         for start in range(0, world_size, ranks_per_replica):
             ranks = list(range(start, start + ranks_per_replica))
-            group = dist.group.WORLD if ranks_per_replica == world_size else dist.new_group(ranks)
+            whole_world = ranks_per_replica == world_size and timeout_s is None
+            group = dist.group.WORLD if whole_world else dist.new_group(ranks, **kwargs)
             if rank in ranks:
                 self._dp_group = group
         self._mp_group = None

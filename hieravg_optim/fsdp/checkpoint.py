@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._flat_param import FlatParameter
 
 from ..agreement import agree_across_ranks
+from ..replica import replica_dir
 from .mesh import SHARD_DIM
 from .optimizer import FSDPHierarchicalAveragingOptimizer, ShardLayout, optimizer_params
 
@@ -42,7 +43,7 @@ __all__ = ["load_checkpoint", "save_checkpoint"]
 
 
 def _replica_folder(path: str | os.PathLike, optimizer: FSDPHierarchicalAveragingOptimizer) -> str:
-    return os.path.join(os.fspath(path), f"replica_{optimizer.replica_index}")
+    return replica_dir(path, optimizer.replica_index)
 
 
 def _optimizer_holds_flat_params(optimizer: FSDPHierarchicalAveragingOptimizer) -> bool:

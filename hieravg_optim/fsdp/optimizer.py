@@ -175,7 +175,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             )
 
     def _sync_replicas_at_construction(self) -> None:
-        """Broadcast replica 0's local shards, before the anchors of ``outer_optimizers`` are taken."""
+        """Broadcast replica 0's local shards (sharded tensors; FSDP holds nothing whole), before the anchors of
+        ``outer_optimizers`` are taken (see :func:`hieravg_optim.replica.broadcast_from_first_replica`)."""
         self.averager.broadcast_from_first_replica(self._module_shards())
 
     @property
