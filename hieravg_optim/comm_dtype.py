@@ -21,6 +21,7 @@ from typing import Union
 
 import torch
 
+from ._validation import setting_error
 from .schedule import AveragingLevel, entries_by_period
 
 __all__ = ["COMM_DTYPES", "CommDtype", "parse_comm_dtype", "wire_dtype"]
@@ -61,9 +62,13 @@ def _one(value: object, where: str) -> str | None:
         key = _ALIASES.get(key, key)  # type: ignore[arg-type]
         if key in COMM_DTYPES:
             return key
-    raise ValueError(
-        f"comm_dtype{where} must be one of {list(COMM_DTYPES)} (or an alias: {sorted(_ALIASES)}), a matching "
-        f"torch.dtype, or None / \"auto\" for each tensor's own dtype; got {value!r} ({type(value).__name__})."
+    raise setting_error(
+        "comm_dtype",
+        value,
+        # JSON names the key for a value of another type (a number); a wrong name keeps this message.
+        json=None if isinstance(value, (str, torch.dtype)) else 'a dtype name such as "bf16", or {"period": "bf16"}',
+        message=f"comm_dtype{where} must be one of {list(COMM_DTYPES)} (or an alias: {sorted(_ALIASES)}), a matching "
+        f"torch.dtype, or None / \"auto\" for each tensor's own dtype; got {value!r} ({type(value).__name__}).",
     )
 
 

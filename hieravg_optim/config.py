@@ -1,32 +1,49 @@
-"""One validated configuration object for hierarchical averaging.
+"""The settings of hierarchical averaging: one validated, kw-only, frozen object.
 
-The core works on a tuple of :class:`~hieravg_optim.schedule.AveragingLevel`.
-At the API edge it also accepts torch's seed-style mapping ``{period: group_size}``
-(the ``period_group_size_dict`` of ``HierarchicalModelAverager``); JSON objects,
-whose keys are strings, are accepted too, so ``{"4": 8, "32": 16}`` works.
-
-Every check here is local: it raises on every rank, before any collective.
+:class:`AveragingConfig` holds every value setting; each field's docstring is its reference. Each
+entry point builds one with :meth:`AveragingConfig.create`, the one place where user forms become
+canonical; ``__post_init__`` checks each field once, through the table :data:`FIELD_CHECKS`. Every
+check here is local: it raises on every rank, before any collective.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import numbers
-import os
-import sys
-import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
 
-from .comm_dtype import CommDtype, parse_comm_dtype
-from .schedule import AveragingLevel
+import torch
+
+from ._validation import (
+    FieldCheck,
+    as_float,
+    as_real,
+    is_bool,
+    is_int,
+    is_positive_int,
+    is_real,
+    plain_number,
+    resolve_ranks_per_node,
+    check_world_size,
+    setting_error,
+    warn_at_caller,
+)
+from .comm_dtype import COMM_DTYPES, CommDtype, parse_comm_dtype
+from .outer import OuterFactory, check_outer_optimizers, check_outer_state_device, probe_factory
+from .schedule import AveragingLevel, parse_levels
 
 __all__ = [
+    "FIELD_CHECKS",
+    "MAX_COLLECTIVE_TIMEOUT_S",
     "NONFINITE_POLICIES",
     "AveragingConfig",
+    "FieldCheck",
     "check_collective_timeout_s",
+    "check_log_metrics_every",
     "check_nonfinite",
+    "check_setting",
     "is_int",
     "parse_levels",
     "resolve_ranks_per_node",
@@ -36,215 +53,179 @@ __all__ = [
 NONFINITE_POLICIES = ("raise", "skip_replica", "ignore")
 """The values of ``nonfinite``: what an averaging round does when a replica holds a NaN or an infinity."""
 
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def _in_package(filename: str) -> bool:
-    """Whether ``filename`` is a module of this package or of its subpackages (the adapters)."""
-    return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
-
-
-def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` attributed to the first frame outside this package: the user's call.
-
-    A fixed ``stacklevel`` is wrong as soon as the same check is reached through
-    different call depths (the wrapper, the averager, the DeepSpeed adapter).
-    """
-    frame = sys._getframe(1)
-    level = 2
-    while frame is not None and _in_package(frame.f_code.co_filename):
-        frame = frame.f_back
-        level += 1
-    warnings.warn(message, category, stacklevel=level)
-
-
-def is_int(value: object) -> bool:
-    """Whether ``value`` is an integer (a Python or numpy integer), ``bool`` excluded."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _as_float(value: numbers.Real) -> float:
-    try:
-        return float(value)
-    except OverflowError:  # an int beyond float's range: rejected as infinite
-        return math.inf
-
-
-def _as_int(value: object, what: str) -> int:
-    """``value`` as an int if it is an integer or a JSON key spelling one, else ``ValueError``."""
-    if is_int(value):
-        return int(value)  # type: ignore[arg-type]
-    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        return int(value)
-    raise ValueError(f"{what} must be a positive integer, got {value!r} ({type(value).__name__}).")
-
-
-def resolve_ranks_per_node(value: int | str | None) -> int | None:
-    """``ranks_per_node`` as an int or ``None``; ``"auto"`` reads ``LOCAL_WORLD_SIZE``, else ``LOCAL_SIZE``.
-
-    Raises:
-        ValueError: for ``"auto"`` when neither variable holds a positive integer, or another string.
-    """
-    if not isinstance(value, str):
-        return int(value) if is_int(value) else value  # type: ignore[return-value]  # checked in __post_init__
-    if value != "auto":
-        raise ValueError(f'ranks_per_node must be a positive integer, "auto" or None, got {value!r}.')
-    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):  # torchrun, deepspeed launcher
-        found = os.environ.get(var)
-        if found is not None and found.isdigit() and int(found) > 0:
-            return int(found)
-    raise ValueError(
-        'ranks_per_node="auto" reads the ranks of one node from LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE '
-        "(deepspeed launcher), but neither is set: pass ranks_per_node as a number of ranks."
-    )
-
-
-def parse_levels(
-    period_group_size: Mapping[int | str, int] | Iterable[AveragingLevel | tuple[int, int]],
-) -> tuple[AveragingLevel, ...]:
-    """Turn ``{period: group_size}`` (or a sequence of levels or pairs) into levels.
-
-    The order is the order given; :class:`AveragingConfig` checks that the periods
-    strictly increase. Keys may be ints or, as in JSON, strings of digits.
-
-    Raises:
-        ValueError: if it is empty, or a period or group size is not an integer.
-        TypeError: if ``period_group_size`` is neither a mapping nor an iterable of pairs.
-    """
-    if isinstance(period_group_size, Mapping):
-        pairs = list(period_group_size.items())
-    elif isinstance(period_group_size, Iterable) and not isinstance(period_group_size, (str, bytes)):
-        pairs = []
-        for item in period_group_size:
-            if isinstance(item, AveragingLevel):
-                pairs.append((item.period, item.group_size))
-            elif isinstance(item, (tuple, list)) and len(item) == 2:
-                pairs.append((item[0], item[1]))
-            else:
-                raise TypeError(
-                    f"period_group_size items must be AveragingLevel or (period, group_size) pairs, got {item!r}."
-                )
-    else:
-        raise TypeError(
-            "period_group_size must be a mapping {period: group_size}, e.g. {4: 8, 32: 16}, "
-            f"got {type(period_group_size).__name__}."
-        )
-    if not pairs:
-        raise ValueError(
-            "period_group_size must not be empty: give at least one {period: group_size}, "
-            "the last group size being the size of the process group."
-        )
-    levels = []
-    for period, group_size in pairs:
-        period_int = _as_int(period, f"Period {period!r} in period_group_size")
-        if not is_int(group_size):
-            raise ValueError(
-                f"Group size {group_size!r} of period {period!r} in period_group_size must be a positive integer "
-                f"(a number of ranks), got {type(group_size).__name__}."
-            )
-        levels.append(AveragingLevel(period=period_int, group_size=int(group_size)))
-    return tuple(levels)
-
-
 MAX_COLLECTIVE_TIMEOUT_S = 1e9
 """The largest ``collective_timeout_s``, in seconds (about 31.7 years). Larger ones overflow in gloo, whose
-deadlines count nanoseconds: with torch 2.13, 9.2e9 s hung the first all-reduce and 9.3e9 s timed it out at once."""
+deadlines count nanoseconds (torch 2.13: 9.2e9 s hung the first all-reduce, 9.3e9 s timed it out at once)."""
+
+FIELD_CHECKS: dict[str, FieldCheck] = {
+    "warmup_steps": FieldCheck(
+        lambda v: is_int(v) and v >= 0, "a non-negative integer (steps)", json="a non-negative integer (optimizer steps)"
+    ),
+    "synchronous_warmup": FieldCheck(is_bool, "True or False", json="true or false", show_type=True),
+    "ranks_per_replica": FieldCheck(
+        is_positive_int, "a positive integer (ranks)", json='a positive integer (ranks) or "auto"'
+    ),
+    "ranks_per_node": FieldCheck(
+        lambda v: v is None or is_positive_int(v),
+        'a positive integer (ranks of one node), "auto" or None',
+        json='a positive integer (ranks of one node), "auto" or null',
+    ),
+    "bucket_cap_mb": FieldCheck(
+        lambda v: is_real(v) and 0 < v < math.inf, "a positive, finite number of MB", json="a positive number (MB)"
+    ),
+    "average_frozen": FieldCheck(is_bool, "True or False", json="true or false", show_type=True),
+    "collective_timeout_s": FieldCheck(
+        lambda v: v is None or (is_real(v) and 0 < as_float(v) <= MAX_COLLECTIVE_TIMEOUT_S),
+        f"a positive, finite number of seconds, at most {MAX_COLLECTIVE_TIMEOUT_S:g} (larger ones overflow in the "
+        "backend), or None (the process group's timeout)",
+        json=f"a positive number of seconds, at most {MAX_COLLECTIVE_TIMEOUT_S:g}, or null for the default group's",
+        show_type=True,
+        tail=". Pass e.g. collective_timeout_s=300 to let a dead or hung peer be reported after 5 minutes.",
+    ),
+    "nonfinite": FieldCheck(
+        lambda v: isinstance(v, str) and v in NONFINITE_POLICIES,
+        f"one of {list(NONFINITE_POLICIES)}",
+        tail=': "raise" (the default) raises on every rank of the group, "skip_replica" averages only the finite '
+        'replicas, "ignore" does not check.',
+    ),
+    "log_metrics_every": FieldCheck(
+        lambda v: v is None or is_positive_int(v),
+        "a positive integer number of steps or None",
+        json="a positive integer number of steps or null",
+        tail=". Pass e.g. log_metrics_every=100 to log the averaging metrics every 100 steps.",
+    ),
+}
+"""The check of each field checked alone: run by ``__post_init__``, rendered for Python or for the DeepSpeed
+section (:func:`~hieravg_optim._validation.in_section`). The others are checked against the levels."""
 
 
-def check_collective_timeout_s(value: object) -> None:
-    """Raise ``ValueError`` unless ``value`` is ``None`` or a positive, finite number of seconds, at most
-    :data:`MAX_COLLECTIVE_TIMEOUT_S` (a larger one overflows in the backend: a hang, or a timeout at once)."""
-    if value is not None and (
-        not _is_real(value) or not 0 < _as_float(value) <= MAX_COLLECTIVE_TIMEOUT_S or not math.isfinite(_as_float(value))
-    ):
-        raise ValueError(
-            f"collective_timeout_s must be a positive, finite number of seconds, at most {MAX_COLLECTIVE_TIMEOUT_S:g} "
-            f"(larger ones overflow in the backend), or None (the process group's timeout), got {value!r} "
-            f"({type(value).__name__}). Pass e.g. collective_timeout_s=300 to let a dead or hung peer be reported "
-            "after 5 minutes."
-        )
+def check_setting(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` passes the check of field ``name`` in :data:`FIELD_CHECKS`."""
+    FIELD_CHECKS[name](name, value)
 
 
-def check_nonfinite(value: object) -> None:
-    """Raise ``ValueError`` unless ``value`` is one of :data:`NONFINITE_POLICIES`."""
-    if not isinstance(value, str) or value not in NONFINITE_POLICIES:
-        raise ValueError(
-            f"nonfinite must be one of {list(NONFINITE_POLICIES)}, got {value!r}: \"raise\" (the default) raises on "
-            "every rank of the group, \"skip_replica\" averages only the finite replicas, \"ignore\" does not check."
-        )
+check_collective_timeout_s = functools.partial(check_setting, "collective_timeout_s")
+check_nonfinite = functools.partial(check_setting, "nonfinite")
+check_log_metrics_every = functools.partial(check_setting, "log_metrics_every")
+_DEVICE_JSON = 'a torch device name such as "cpu", or null (with the master weights)'
+
+
+def _outer_state_device(value: object) -> torch.device | None:
+    """:func:`~hieravg_optim.outer.check_outer_state_device`, its errors naming the setting for the JSON section."""
+    try:
+        return check_outer_state_device(value)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise setting_error("outer_state_device", value, json=_DEVICE_JSON, message=str(exc), kind=TypeError) from None
+    except ValueError as exc:
+        try:
+            torch.device(value)  # type: ignore[arg-type]
+            json = None  # a device, but not one this machine has
+        except RuntimeError:
+            json = _DEVICE_JSON
+        raise setting_error("outer_state_device", value, json=json, message=str(exc)) from None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class AveragingConfig:
-    """The validated settings of :class:`~hieravg_optim.HierarchicalAveragingOptimizer`.
+    """Every value setting of hierarchical averaging, validated: the one reference for each of them.
 
-    Build it with :meth:`create`, which accepts torch's ``{period: group_size}``
-    mapping. Fields are checked in ``__post_init__``; the checks that need the size
-    of the process group are in :meth:`check_world_size`.
+    Build it with :meth:`create`, which takes the user forms. The core wrapper, the FSDP wrapper and
+    the DeepSpeed section (whose keys are these field names) all forward to it. Fields are checked in
+    ``__post_init__``; the checks that need the size of the process group in :meth:`check_world_size`.
+    Runtime objects (optimizer, process group, buffers, module, mesh) are the entry points' arguments.
     """
 
     levels: tuple[AveragingLevel, ...]
-    """The hierarchy, periods strictly increasing; the last level spans the whole process group."""
+    """The hierarchy, periods strictly increasing; the last level spans the whole process group.
+    Given as ``period_group_size`` (``{period: group_size}``, torch's ``HierarchicalModelAverager``):
+    every ``period`` optimizer steps, blocks of ``group_size`` consecutive ranks average."""
 
     warmup_steps: int = 0
-    """Step counts below this never average (post-local SGD's warm-up), in optimizer steps."""
-
-    ranks_per_replica: int = 1
-    """Consecutive ranks that together hold one replica (1: every rank holds the full model).
-
-    Those ranks reduce gradients every step (DDP, ZeRO, FSDP) and may each hold a
-    different shard. A level of group size G averages among the G / ranks_per_replica
-    ranks of its block that hold the same shard index."""
-
-    bucket_cap_mb: float = 25.0
-    """Upper bound of one communication bucket, in MB (10**6 bytes), per wire dtype."""
-
-    comm_dtype: tuple[str | None, ...] = ()
-    """The wire dtype name of each level, in level order (``None``: each tensor's own dtype); ``()`` when
-    every level sends each tensor in its own dtype. Given as one value or ``{period: dtype}``, see
-    :func:`hieravg_optim.comm_dtype.parse_comm_dtype`."""
-
-    ranks_per_node: int | None = None
-    """Consecutive ranks that share a node (fast links), or ``None`` for a flat all-reduce at every level.
-
-    When set, a level whose groups span several nodes averages node-aware: reduce-scatter inside each
-    node, all-reduce of the shards across nodes, all-gather inside the node."""
+    """Step counts below this never average (post-local SGD's warm-up), in optimizer steps. Default 0."""
 
     synchronous_warmup: bool = False
     """Average at the top level (all replicas) after every warm-up step (counts ``0 .. warmup_steps - 1``).
 
-    Post-local SGD (https://arxiv.org/abs/1808.07217) warms up with fully synchronous
-    training. ``False`` (torch's ``HierarchicalModelAverager``): warm-up steps never average,
-    and something else keeps the replicas in step (DDP's post-local SGD hook all-reduces the
-    gradients globally). ``True``: the replicas, starting from the same weights, end every
-    warm-up step with the same weights; with SGD (with or without momentum) this is exactly
-    synchronous SGD over all ranks. The DeepSpeed and FSDP adapters turn it on by default."""
-    collective_timeout_s: float | None = None
-    """Timeout of the averaging subgroups' collectives, in seconds; ``None``: the process group's timeout.
+    Post-local SGD (https://arxiv.org/abs/1808.07217) warms up with fully synchronous training.
+    ``False`` (the default of :class:`~hieravg_optim.HierarchicalAveragingOptimizer`, as torch's
+    ``HierarchicalModelAverager``): warm-up steps never average, and something else keeps the
+    replicas in step (under DDP, the post-local SGD hook all-reduces the gradients globally).
+    ``True`` (the default of the FSDP wrapper and the DeepSpeed section, where gradients are reduced
+    within a replica only, so nothing else would): the replicas, starting from the same weights, end
+    every warm-up step with the same weights; with SGD this is exactly synchronous SGD over all ranks.
+    Collective over the top-level subgroup at every warm-up step."""
 
-    A peer that died is usually reported at once (its connections close); one that hangs (stopped,
-    swapped out, deadlocked) only after this timeout. With a timeout given, the top level gets its own
-    group too, even where it spans the whole process group."""
+    ranks_per_replica: int = 1
+    """Consecutive ranks that together hold one replica (1, the default: every rank holds the full model).
+
+    Those ranks reduce gradients every step (DDP, ZeRO, FSDP) and may each hold a different shard. A
+    level of group size G averages among the G / ranks_per_replica ranks of its block that hold the same
+    shard index. FSDP takes it from the mesh; the DeepSpeed section also takes ``"auto"`` (the ranks of one
+    node, ``LOCAL_WORLD_SIZE``, its default)."""
+
+    ranks_per_node: int | None = None
+    """Consecutive ranks that share a node (fast links); ``None`` (default): a flat all-reduce at every level.
+
+    Given as a number, or ``"auto"`` (``LOCAL_WORLD_SIZE``, else ``LOCAL_SIZE``). A level whose groups span
+    several nodes then averages node-aware: reduce-scatter inside each node, all-reduce of the shards across
+    nodes, all-gather inside the node, so each node sends the model over the slow link about once per round.
+    Must divide every group size larger than it, and be a multiple of ``ranks_per_replica``."""
+
+    bucket_cap_mb: float = 25.0
+    """Upper bound of one communication bucket, in MB (10**6 bytes), per wire dtype. Default 25, as DDP's
+    ``bucket_cap_mb``; tensors are averaged in place through reusable buckets of this size."""
+
+    comm_dtype: tuple[str | None, ...] = ()
+    """The wire dtype name of each level, in level order; ``()`` (default): each tensor's own dtype, as torch,
+    except float16 and float8, sent as float32 (their sums would overflow).
+
+    Given as one name (``"float32"``, ``"bf16"``, ``"fp16"``, ``"float64"``, or a ``torch.dtype``) or
+    ``{period: dtype}``, e.g. ``{32: "bf16"}`` to halve the bytes of fp32 weights on the slowest level.
+    Tensors keep their dtype; only the copy on the wire is rounded. See :mod:`hieravg_optim.comm_dtype`."""
+
+    average_frozen: bool = False
+    """Also average the parameters whose ``requires_grad`` is ``False``. ``False`` (default): they are not sent
+    and not changed; which ones are frozen is part of each round's agreement check. Does not apply to the
+    tensors a ``tensors_to_average`` callable returns. The DeepSpeed adapter rejects it under ZeRO-3."""
+
+    collective_timeout_s: float | None = None
+    """Timeout of the averaging subgroups' collectives, in seconds (at most :data:`MAX_COLLECTIVE_TIMEOUT_S`);
+    ``None`` (default): the process group's timeout.
+
+    A dead peer is usually reported at once; a hung one after this timeout: every rank of the round then raises
+    a ``RuntimeError`` naming the level, count and ranks (``docs/faults.md``). The top level gets its own group."""
 
     nonfinite: Literal["raise", "skip_replica", "ignore"] = "raise"
-    """What a round does when a replica's tensors hold a NaN or an infinity: ``"raise"`` on every rank
-    of the group, naming the replicas; ``"skip_replica"``: average the finite replicas only and give the
-    others that mean; ``"ignore"``: no check (the non-finite values spread to every replica). A sharded replica
-    (``ranks_per_replica > 1``) is non-finite when any of its shards is, in every shard's group."""
+    """What a round does when a replica's tensors hold a NaN or an infinity, checked before each round and
+    agreed on in its agreement collective: ``"raise"`` (default) on every rank of the group, naming the
+    replicas; ``"skip_replica"``: average the finite replicas only and give the others that mean (a
+    ``RuntimeError`` if none is finite); ``"ignore"``: no check. A sharded replica is non-finite when any of
+    its shards is, in every shard's group. The check reads every tensor once."""
+
+    outer_optimizers: Mapping[int, OuterFactory] = field(default_factory=dict, hash=False)
+    """``{period: factory}``: levels with an outer optimizer (DiLoCo, https://arxiv.org/abs/2311.08105; HALoS,
+    https://arxiv.org/abs/2506.04531); empty (default): every level averages plainly.
+
+    Each such level keeps fp32 anchors of the averaged tensors; its rounds step them with the pseudo-gradient
+    ``anchor - mean`` through ``factory(anchors)``, a ``torch.optim.Optimizer``, then copy them into the tensors;
+    a higher level's round resets the lower levels' anchors. E.g. ``{64: hieravg_optim.nesterov_outer()}``. Each
+    factory is probed once, here. JSON: ``"outer_optimizer": {"period": {"type", "params"}}`` (``docs/outer.md``)."""
+
+    outer_state_device: torch.device | None = None
+    """Where anchors and outer optimizer state live: ``"cpu"`` keeps them off the accelerator (torchft's
+    ``backup_device``); ``None`` (default): each tensor's own device. Memory per outer level: one fp32 copy
+    of the averaged tensors, plus the outer optimizer's state (Nesterov SGD: one more)."""
+
+    log_metrics_every: int | None = None
+    """Log the averaging metrics at INFO through the ``hieravg_optim.optimizer`` logger every this many steps
+    (at counts that are multiples of it); ``None`` (default) never logs."""
+
+    _outer_kinds: dict[int, object] = field(init=False, repr=False, compare=False, hash=False, default_factory=dict)
+    """Per period, the outer optimizer's class and hyperparameters, probed once: what the ranks agree on."""
 
     def __post_init__(self) -> None:
         if not self.levels:
             raise ValueError("levels must not be empty.")
-        if self.ranks_per_node is not None and (not is_int(self.ranks_per_node) or self.ranks_per_node <= 0):
-            raise ValueError(
-                f"ranks_per_node must be a positive integer (ranks of one node), \"auto\" or None, got "
-                f"{self.ranks_per_node!r}."
-            )
         previous = 0
         for level in self.levels:
             if not is_int(level.period) or level.period <= 0:
@@ -252,40 +233,28 @@ class AveragingConfig:
                     f"Period {level.period!r} in period_group_size must be a positive integer (in optimizer steps)."
                 )
             if level.period <= previous:
-                periods = [lv.period for lv in self.levels]
                 raise ValueError(
-                    f"Periods in period_group_size must be strictly increasing, got {periods}: "
-                    f"period {level.period} follows {previous}. List them from the most to the least frequent."
+                    f"Periods in period_group_size must be strictly increasing, got {[lv.period for lv in self.levels]}"
+                    f": period {level.period} follows {previous}. List them from the most to the least frequent."
                 )
             previous = level.period
             if not is_int(level.group_size) or level.group_size <= 0:
                 raise ValueError(
                     f"Group size {level.group_size!r} of period {level.period} must be a positive integer (ranks)."
                 )
+        for name, check in FIELD_CHECKS.items():
+            check(name, getattr(self, name))
         comm = self.comm_dtype
-        if isinstance(comm, tuple) and len(comm) in (0, len(self.levels)):  # per level, as stored
-            comm = dict(zip((lv.period for lv in self.levels), comm))
-        object.__setattr__(self, "comm_dtype", parse_comm_dtype(comm, self.levels))
-        if not is_int(self.warmup_steps) or self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be a non-negative integer (steps), got {self.warmup_steps!r}.")
-        if not is_int(self.ranks_per_replica) or self.ranks_per_replica <= 0:
-            raise ValueError(
-                f"ranks_per_replica must be a positive integer (ranks), got {self.ranks_per_replica!r}."
-            )
-        if (
-            isinstance(self.bucket_cap_mb, bool)
-            or not isinstance(self.bucket_cap_mb, numbers.Real)
-            or not self.bucket_cap_mb > 0
-            or not math.isfinite(self.bucket_cap_mb)
+        if not (isinstance(comm, tuple) and len(comm) in (0, len(self.levels))) or any(
+            c is not None and c not in COMM_DTYPES for c in comm
         ):
-            raise ValueError(f"bucket_cap_mb must be a positive, finite number of MB, got {self.bucket_cap_mb!r}.")
-        if not isinstance(self.synchronous_warmup, bool):
-            raise ValueError(
-                f"synchronous_warmup must be True or False, got {self.synchronous_warmup!r} "
-                f"({type(self.synchronous_warmup).__name__})."
-            )
-        check_collective_timeout_s(self.collective_timeout_s)
-        check_nonfinite(self.nonfinite)
+            raise setting_error("comm_dtype", comm, "one wire dtype name per level, or () (build it with create())")
+        if self.outer_state_device is not None and not isinstance(self.outer_state_device, torch.device):
+            raise setting_error("outer_state_device", self.outer_state_device, "None or a torch.device", kind=TypeError)
+        outer = check_outer_optimizers(self.outer_optimizers, self.levels)
+        sizes = {lv.period: lv.group_size for lv in self.levels}
+        object.__setattr__(self, "outer_optimizers", outer)
+        object.__setattr__(self, "_outer_kinds", {p: probe_factory(p, f, sizes[p]) for p, f in outer.items()})
 
     @classmethod
     def create(
@@ -300,50 +269,64 @@ class AveragingConfig:
         nonfinite: str = "raise",
         comm_dtype: CommDtype = None,
         ranks_per_node: int | str | None = None,
+        average_frozen: bool = False,
+        outer_optimizers: Mapping[int | str, OuterFactory] | None = None,
+        outer_state_device: str | torch.device | None = None,
+        log_metrics_every: int | None = None,
     ) -> AveragingConfig:
-        """Build a config from torch's ``{period: group_size}`` mapping.
+        """Build a config from the user forms of the settings; each keyword is the field of the same name.
 
-        ``comm_dtype`` is one wire dtype or ``{period: dtype}`` (see :attr:`comm_dtype`);
-        ``ranks_per_node="auto"`` reads ``LOCAL_WORLD_SIZE`` (torchrun), else ``LOCAL_SIZE``
-        (the ``deepspeed`` launcher).
+        The user forms are turned into canonical ones here only: ``{period: group_size}`` (keys may be JSON's
+        strings of digits) or pairs; numpy integers; ``comm_dtype`` as one dtype or ``{period: dtype}``;
+        ``ranks_per_node="auto"``; ``outer_optimizers=None``; ``outer_state_device`` as a device name.
 
         Raises:
-            ValueError: naming the offending value, for every invalid setting.
+            ValueError: naming the offending value (naming the key, in the DeepSpeed section), for every invalid
+                setting. TypeError: for a ``period_group_size``, ``outer_optimizers`` or ``outer_state_device``
+                of an unsupported type, or a factory that is not callable or builds no optimizer over its tensors.
         """
-        check_collective_timeout_s(collective_timeout_s)  # named as given, before the conversion to float
-        # Plain Python numbers (numpy integers, an int bucket size): the ranks compare the config by
-        # its repr, so warmup_steps=np.int64(8) on one rank and 8 on another must not differ.
+        levels = parse_levels(period_group_size)
+        numbers = {"warmup_steps": warmup_steps, "ranks_per_replica": ranks_per_replica, "bucket_cap_mb": bucket_cap_mb}
+        numbers["collective_timeout_s"] = collective_timeout_s
+        numbers["log_metrics_every"] = log_metrics_every
+        for name, value in numbers.items():  # named as given, before they become plain ints and floats
+            check_setting(name, value)
         return cls(
-            levels=parse_levels(period_group_size),
-            warmup_steps=int(warmup_steps) if is_int(warmup_steps) else warmup_steps,
-            ranks_per_replica=int(ranks_per_replica) if is_int(ranks_per_replica) else ranks_per_replica,
-            bucket_cap_mb=_as_float(bucket_cap_mb) if _is_real(bucket_cap_mb) else bucket_cap_mb,
+            levels=levels,
+            warmup_steps=plain_number(warmup_steps),  # type: ignore[arg-type]
             synchronous_warmup=synchronous_warmup,
-            collective_timeout_s=(
-                _as_float(collective_timeout_s) if _is_real(collective_timeout_s) else collective_timeout_s
-            ),
+            ranks_per_replica=plain_number(ranks_per_replica),  # type: ignore[arg-type]
+            ranks_per_node=resolve_ranks_per_node(ranks_per_node),  # type: ignore[arg-type]
+            bucket_cap_mb=as_real(bucket_cap_mb),  # type: ignore[arg-type]
+            comm_dtype=comm_dtype if isinstance(comm_dtype, tuple) else parse_comm_dtype(comm_dtype, levels),
+            average_frozen=average_frozen,
+            collective_timeout_s=as_real(collective_timeout_s),  # type: ignore[arg-type]
             nonfinite=nonfinite,  # type: ignore[arg-type]
-            comm_dtype=comm_dtype,  # type: ignore[arg-type]  # normalized in __post_init__
-            ranks_per_node=resolve_ranks_per_node(ranks_per_node),
+            outer_optimizers=check_outer_optimizers(outer_optimizers, levels),
+            outer_state_device=_outer_state_device(outer_state_device),
+            log_metrics_every=plain_number(log_metrics_every),  # type: ignore[arg-type]
         )
 
-    def _check_ranks_per_node(self, world_size: int) -> None:
-        n, s = self.ranks_per_node, self.ranks_per_replica
-        if n is None:
-            return
-        if world_size % n != 0 or n % s != 0:
-            raise ValueError(
-                f"ranks_per_node={n} must divide the size of the process group ({world_size}) and be a multiple of "
-                f"ranks_per_replica={s}: nodes are blocks of ranks_per_node consecutive ranks holding whole replicas. "
-                "Set it to the ranks of one node (LOCAL_WORLD_SIZE), or to None for a flat all-reduce."
-            )
-        for level in self.levels:
-            if level.group_size > n and level.group_size % n != 0:
-                raise ValueError(
-                    f"ranks_per_node={n} must divide group size {level.group_size} of period {level.period}: a level "
-                    "spanning several nodes averages whole nodes node-aware. Change the group size to a multiple of "
-                    f"{n}, or set ranks_per_node=None for a flat all-reduce."
-                )
+    def updated(self, **settings: Any) -> AveragingConfig:
+        """This config with the given settings changed, each in any form :meth:`create` takes (``"cpu"`` for
+        ``outer_state_device``, string period keys); e.g. to fold in the keywords of an older signature."""
+        current = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "levels"}
+        return type(self).create(self.levels, **{**current, **settings})
+
+    def agreement_value(self) -> dict[str, object]:
+        """What the ranks of a process group compare at construction: every field, each outer factory as the
+        class and hyperparameters it builds (a factory's own ``repr`` may differ between processes)."""
+        value: dict[str, object] = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.init and f.name not in ("outer_optimizers", "outer_state_device")
+        }
+        value["levels"] = tuple(asdict(lv) for lv in self.levels)
+        value["periods with an outer optimizer"] = sorted(self.outer_optimizers)
+        value["outer_state_device"] = None if self.outer_state_device is None else str(self.outer_state_device)
+        # Replicas stepping with different outer optimizers would drift apart silently.
+        value["outer optimizers (class, defaults)"] = self._outer_kinds
+        return value
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -355,58 +338,11 @@ class AveragingConfig:
 
         Raises:
             ValueError: if a group size does not divide ``world_size``, is not a multiple of
-                :attr:`ranks_per_replica`, or the last group size is not ``world_size``.
+                :attr:`ranks_per_replica`, or the last group size is not ``world_size``; if
+                :attr:`ranks_per_node` does not fit the group sizes.
 
         Warns:
-            UserWarning: (attributed to the first caller outside hieravg_optim) when the largest period is 1, as torch
-                does, or when a level's groups do not nest in the next level's groups.
+            UserWarning: (at the first caller outside hieravg_optim) for a largest period of 1, as torch, levels
+                whose groups do not nest, or a level (or a process group) holding a single replica.
         """
-        s = self.ranks_per_replica
-        if world_size % s != 0:
-            raise ValueError(
-                f"ranks_per_replica={s} must divide the size of the process group ({world_size}): "
-                "every replica is a block of ranks_per_replica consecutive ranks."
-            )
-        for level in self.levels:
-            if world_size % level.group_size != 0:
-                raise ValueError(
-                    f"Group size {level.group_size} of period {level.period} must divide the size of the "
-                    f"process group ({world_size})."
-                )
-            if level.group_size % s != 0:
-                raise ValueError(
-                    f"Group size {level.group_size} of period {level.period} must be a multiple of "
-                    f"ranks_per_replica={s}: a level averages whole replicas."
-                )
-        self._check_ranks_per_node(world_size)
-        last = self.levels[-1].group_size
-        if last != world_size:
-            raise ValueError(
-                f"The last group size in period_group_size ({last}, period {self.levels[-1].period}) must be "
-                f"equal to the size of the process group ({world_size}): the top level averages all replicas."
-            )
-        if self.levels[-1].period == 1:
-            warn_at_caller(
-                "The largest period in period_group_size is 1: averaging parameters every step costs at least "
-                "as much as all-reducing gradients. Use plain DDP / ZeRO / FSDP instead.",
-            )
-        for lower, upper in zip(self.levels, self.levels[1:]):
-            if upper.group_size % lower.group_size != 0:
-                warn_at_caller(
-                    f"Group size {lower.group_size} (period {lower.period}) does not divide group size "
-                    f"{upper.group_size} (period {upper.period}): the levels' groups do not nest, so this is "
-                    "not a hierarchy. It is legal, as in torch, but rarely intended.",
-                )
-        if world_size == s:
-            warn_at_caller(
-                f"ranks_per_replica={s} is the size of the process group: there is a single replica, so "
-                "hierarchical averaging never averages anything. Lower ranks_per_replica (e.g. to the ranks of "
-                "one node).",
-            )
-            return
-        for level in self.levels[:-1]:
-            if level.group_size == s:
-                warn_at_caller(
-                    f"Level with period {level.period} has group size {level.group_size} == ranks_per_replica: "
-                    "its groups hold a single replica, so it never averages anything. Remove it.",
-                )
+        check_world_size(self, world_size)

@@ -8,6 +8,7 @@ torch's ``PostLocalSGDOptimizer`` wraps a ``HierarchicalModelAverager``. The ave
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import raise_on_every_rank
-from .averager import HierarchicalAverager, LevelMetrics, check_log_metrics_every, check_outer, local_tensor
+from .averager import HierarchicalAverager, LevelMetrics, local_tensor
 from .checks import (
     add_checked_param_group,
     check_dtensor_layout,
@@ -46,50 +47,41 @@ __all__ = ["GROUP_STEP_KEY", "STATE_KEY", "HierarchicalAverager", "HierarchicalA
 class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     """Wraps any optimizer and averages the parameters hierarchically after its steps.
 
-    Each :meth:`step` runs the inner step; then, from ``warmup_steps`` on, when the
-    step count is divisible by one or more periods, the subgroup of the largest such
-    period averages the parameters in place (hierarchical SGD,
-    https://arxiv.org/abs/2010.12998, which generalises post-local SGD,
+    Each :meth:`step` runs the inner step; then, from ``warmup_steps`` on, when the step count is
+    divisible by one or more periods, the subgroup of the largest such period averages the parameters
+    in place (hierarchical SGD, https://arxiv.org/abs/2010.12998, which generalises post-local SGD,
     https://arxiv.org/abs/1808.07217). Arguments, schedule and errors follow torch's
     ``HierarchicalModelAverager`` and ``PostLocalSGDOptimizer``; unlike them, it
 
-    * writes the averages into each parameter's own storage (views into flat
-      buffers stay views) through reusable buckets of ``bucket_cap_mb`` MB instead
-      of one model-sized buffer;
-    * averages every parameter of ``param_groups`` whatever its ``.grad`` (torch
-      skips parameters whose ``.grad`` is ``None``, which can differ across ranks
-      and hang), and checks that the ranks agree on shapes and dtypes first;
-    * averages sharded parameters (DTensor local shards, ZeRO partitions, FSDP flat
-      parameters) among the ranks that hold the same shard.
+    * writes the averages into each parameter's own storage (views into flat buffers stay views)
+      through reusable buckets of ``bucket_cap_mb`` MB instead of one model-sized buffer;
+    * averages every parameter of ``param_groups`` whatever its ``.grad`` (torch skips parameters
+      whose ``.grad`` is ``None``, which can differ across ranks and hang), and checks that the
+      ranks agree on shapes and dtypes first;
+    * averages sharded parameters (DTensor local shards, ZeRO partitions, FSDP flat parameters)
+      among the ranks that hold the same shard.
 
-    Which tensors are averaged: every parameter in the inner optimizer's
-    ``param_groups`` (each once, in order; a DTensor by its local shard) that has
-    ``requires_grad=True`` at that round (frozen ones are neither sent nor changed, unless
-    ``average_frozen=True``), then the floating-point tensors of ``buffers``. Optimizer state (momentum, Adam moments)
-    is not averaged, as in torch. The averaged tensors must be the same tensor on every
-    rank of an averaging group, and the ones the next step reads (see :mod:`hieravg_optim.checks`):
+    Which tensors are averaged: every parameter in the inner optimizer's ``param_groups`` (each
+    once, in order; a DTensor by its local shard) with ``requires_grad=True`` at that round (unless
+    ``average_frozen``), then the floating-point tensors of ``buffers``. Optimizer state is not
+    averaged, as in torch. The averaged tensors must be the same tensor on every rank of a group, and
+    the ones the next step reads (see :mod:`hieravg_optim.checks`):
 
-    * the parameters are those of ``param_groups`` at construction, plus those added
-      through this wrapper's :meth:`add_param_group`. If ``param_groups`` later holds
-      other tensors (e.g. DeepSpeed took this wrapper as its client optimizer and put
-      its flat ZeRO partitions there), the next averaging round raises instead.
-      Rebinding ``param_groups`` behind the wrapper is not supported;
-      ``load_state_dict`` keeps the parameters and is fine;
-    * a DTensor split (``Shard``, ``Partial``) over ranks of this rank's averaging
-      subgroup is a ``TypeError`` at construction: use :mod:`hieravg_optim.fsdp`;
-    * an inner optimizer that keeps fp32 master copies of low-precision parameters and
-      writes the parameters from them at each step (apex / Transformer Engine
-      ``FusedAdam(master_weights=True)``) must be given ``tensors_to_average`` naming the
-      masters; the first averaging round raises a ``ValueError`` where it finds such a
-      copy in the optimizer state without it.
+    * the parameters are those of ``param_groups`` at construction, plus those added through
+      :meth:`add_param_group`. If ``param_groups`` later holds other tensors (e.g. DeepSpeed took
+      this wrapper as its client optimizer and put its flat ZeRO partitions there), the next round
+      raises instead; ``load_state_dict`` keeps the parameters and is fine;
+    * a DTensor split (``Shard``, ``Partial``) over ranks of this rank's averaging subgroup is a
+      ``TypeError`` at construction: use :mod:`hieravg_optim.fsdp`;
+    * an inner optimizer that keeps fp32 master copies of low-precision parameters and writes the
+      parameters from them (apex / Transformer Engine ``FusedAdam(master_weights=True)``) must be
+      given ``tensors_to_average`` naming the masters; else the first round raises a ``ValueError``.
 
-    Mixed precision: with ``torch.amp.GradScaler``, call ``scaler.step(opt)`` as for any
-    optimizer. The wrapper sets ``_step_supports_amp_scaling``, so the scaler always calls
-    :meth:`step` and hands it ``grad_scale`` and ``found_inf``: the count advances on every
-    rank (averaging stays in step across ranks), and the inner step runs only where no
-    inf/NaN gradient was found, on gradients unscaled as ``GradScaler.unscale_`` does (an
-    inner optimizer that supports amp scaling itself, e.g. a fused Adam, gets both values
-    and decides). A skipped inner step counts, as in the DeepSpeed adapter.
+    Mixed precision: with ``torch.amp.GradScaler``, call ``scaler.step(opt)``. The wrapper sets
+    ``_step_supports_amp_scaling``, so the scaler always calls :meth:`step` with ``grad_scale`` and
+    ``found_inf``: the count advances on every rank, and the inner step runs only where no inf/NaN
+    gradient was found, on gradients unscaled as ``GradScaler.unscale_`` does (an inner optimizer that
+    supports amp scaling itself gets both values and decides). A skipped inner step counts.
 
     .. warning::
         The constructor is collective over ``process_group`` (it creates the
@@ -98,92 +90,40 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
 
     Args:
         optimizer: The inner (local) optimizer.
-        period_group_size_dict: ``{period: group_size}``: every ``period`` steps, blocks of
-            ``group_size`` consecutive ranks average. Periods strictly increasing; the last
-            group size is the size of ``process_group``. Example: ``{4: 8, 32: 32}``.
-        warmup_steps: Steps (counts ``0 .. warmup_steps - 1``) that never average.
+        period_group_size_dict: ``{period: group_size}``, e.g. ``{4: 8, 32: 32}``: every ``period`` steps, blocks
+            of ``group_size`` consecutive ranks average: [`levels`][hieravg_optim.AveragingConfig.levels].
+        warmup_steps: Steps that never average: [`warmup_steps`][hieravg_optim.AveragingConfig.warmup_steps].
         process_group: The overall group; ``None`` means the default group.
-        ranks_per_replica: Consecutive ranks that together hold one (possibly sharded)
-            replica; a level then averages among the ranks of its block with the same
-            shard index. 1 for full parameters (plain PyTorch, DDP).
-        bucket_cap_mb: Bucket size, in MB (10**6 bytes).
+        ranks_per_replica: Ranks of one replica: [`ranks_per_replica`][hieravg_optim.AveragingConfig.ranks_per_replica].
+        bucket_cap_mb: Bucket size, in MB: [`bucket_cap_mb`][hieravg_optim.AveragingConfig.bucket_cap_mb].
         buffers: Tensors averaged on the same schedule, e.g. ``model.buffers()``
             (BatchNorm running statistics); non-floating ones are left untouched.
-        log_metrics_every: Log :meth:`metrics` at INFO through the ``hieravg_optim.optimizer``
-            logger every this many steps; ``None`` (default) never logs.
-        tensors_to_average: Called at each averaging round, after the inner step; returns the
-            tensors to average in place instead of the parameters (``buffers`` are still
-            averaged after them), the same number, shapes and dtypes on every rank. For an inner
-            optimizer with fp32 master weights: the masters, which the next step reads, e.g.
-            ``lambda: [inner.state[p]["master_param"] for p in params]``. ``None`` (default):
-            the parameters of ``param_groups``.
-        synchronous_warmup: Average at the top level after every warm-up step (counts
-            ``0 .. warmup_steps - 1``) instead of never, so that the warm-up is synchronous across
-            replicas (post-local SGD, https://arxiv.org/abs/1808.07217). ``False`` (default, as torch):
-            under DDP, its post-local SGD hook all-reduces the gradients globally during the warm-up.
-            Collective over the top-level subgroup at every warm-up step when ``True``.
-        average_frozen: Also average the parameters of ``param_groups`` whose ``requires_grad`` is
-            ``False``. ``False`` (default): they are skipped (not sent, not changed); which ones are
-            frozen is part of each round's agreement check, so ranks that disagree raise a
-            ``RuntimeError`` instead of averaging different tensors. Does not apply to the tensors
-            ``tensors_to_average`` returns.
-        collective_timeout_s: Timeout of the averaging subgroups' collectives, in seconds (a positive
-            number, at most ``1e9``); ``None`` (default): the timeout of ``process_group``. A peer that died is reported at
-            once; one that hangs, after this timeout: then every rank of the round raises a ``RuntimeError``
-            naming the level, the step count and the subgroup's ranks (see ``docs/faults.md``). With a
-            value, the top level gets a group of its own, even where it spans ``process_group``.
-        nonfinite: What a round does when some replica's tensors hold a NaN or an infinity, checked
-            before each round and agreed on in the round's agreement collective (no extra round trip):
-            ``"raise"`` (default): every rank of the subgroup raises a ``RuntimeError`` naming the ranks
-            and replicas; ``"skip_replica"``: the finite replicas are averaged and the others get their
-            mean (a ``RuntimeError`` if none is finite); ``"ignore"``: no check (one non-finite replica
-            makes every replica of the group non-finite). The check reads every tensor once.
-        comm_dtype: The dtype tensors travel in when averaging (the *wire dtype*): ``None``
-            (default) sends each tensor in its own dtype, as torch does, except float16 and float8, sent
-            as float32 (their sums, formed before the division, would overflow near 65504, or 448); one name (``"float32"``,
-            ``"bf16"``, ``"fp16"``, ``"float64"``, or a ``torch.dtype``) for every level; or
-            ``{period: dtype}`` per level, e.g. ``{32: "bf16"}`` to halve the bytes of float32
-            parameters on the slowest level. Tensors keep their dtype; only the summed copy on the
-            wire is rounded. ``"float32"`` sums float16 / bfloat16 tensors in float32. See
-            :mod:`hieravg_optim.comm_dtype` and the error bound in the performance docs.
-        ranks_per_node: Consecutive ranks of ``process_group`` sharing one node, or ``"auto"``
-            (``LOCAL_WORLD_SIZE``, else ``LOCAL_SIZE``). A level whose groups span several nodes then
-            averages node-aware: reduce-scatter inside each node, all-reduce of the shards across nodes,
-            all-gather inside the node, so each node sends the model over the slow link about once per
-            round. ``None`` (default): one flat all-reduce per level. Must divide every group size larger
-            than it, and be a multiple of ``ranks_per_replica``.
-        outer_optimizers: ``{period: factory}``: give these levels an outer optimizer (DiLoCo,
-            https://arxiv.org/abs/2311.08105; HALoS, https://arxiv.org/abs/2506.04531): each keeps fp32
-            anchors of the averaged tensors, and its rounds step them with the pseudo-gradient
-            ``anchor - mean`` through ``factory(anchors)``, a ``torch.optim.Optimizer``, then copy them into
-            the tensors; a higher level's round resets the lower levels' anchors. E.g. ``{64:
-            hieravg_optim.nesterov_outer()}`` (Nesterov SGD, lr 0.7, momentum 0.9). The anchors are taken at
-            construction with ``warmup_steps=0`` (from the tensors ``tensors_to_average`` returns then), else
-            right after the inner step at count ``warmup_steps - 1``. ``None`` (default): every level averages
-            plainly. See :class:`~hieravg_optim.HierarchicalAverager` and ``docs/outer.md``.
-        outer_state_device: Where anchors and outer optimizer state live: ``"cpu"`` keeps them off the
-            accelerator (as torchft's ``backup_device``); ``None`` (default): each parameter's device.
-            Memory per level with an outer optimizer: one fp32 copy of the averaged tensors, plus the
-            outer optimizer's state (Nesterov SGD: one more fp32 copy).
+        log_metrics_every: Log :meth:`metrics`: [`log_metrics_every`][hieravg_optim.AveragingConfig.log_metrics_every].
+        tensors_to_average: Called at each round, after the inner step; returns the tensors to average
+            instead of the parameters (``buffers`` are still averaged after them), the same number, shapes
+            and dtypes on every rank. For fp32 master weights: the masters, which the next step reads, e.g.
+            ``lambda: [inner.state[p]["master_param"] for p in params]``. ``None``: the parameters.
+        synchronous_warmup: [`synchronous_warmup`][hieravg_optim.AveragingConfig.synchronous_warmup].
+        average_frozen: Frozen parameters too: [`average_frozen`][hieravg_optim.AveragingConfig.average_frozen].
+        collective_timeout_s: In seconds: [`collective_timeout_s`][hieravg_optim.AveragingConfig.collective_timeout_s].
+        nonfinite: NaN or infinity: [`nonfinite`][hieravg_optim.AveragingConfig.nonfinite].
+        comm_dtype: The wire dtype: [`comm_dtype`][hieravg_optim.AveragingConfig.comm_dtype].
+        ranks_per_node: Node-aware levels: [`ranks_per_node`][hieravg_optim.AveragingConfig.ranks_per_node].
+        outer_optimizers: DiLoCo: [`outer_optimizers`][hieravg_optim.AveragingConfig.outer_optimizers].
+        outer_state_device: Anchors' device: [`outer_state_device`][hieravg_optim.AveragingConfig.outer_state_device].
 
     Raises:
-        ValueError: for an invalid setting, naming it, before any averaging collective (an
-            ``outer_optimizers`` key that is not a period, an outer optimizer with a non-finite
-            hyperparameter or ``maximize=True``, an unknown ``outer_state_device``); at the
-            first averaging round, on every rank, for an fp32 master copy of a float16 / bfloat16
+        ValueError: for an invalid setting, naming it (see :class:`~hieravg_optim.AveragingConfig`), before
+            any collective; at the first round, on every rank, for an fp32 master copy of a float16 / bfloat16
             parameter in the optimizer state without ``tensors_to_average``.
         TypeError: if ``optimizer`` has no ``param_groups`` or ``step``, or is already wrapped; if
-            ``tensors_to_average`` is not callable; for a DTensor parameter split over ranks of this
-            rank's averaging subgroup; for an ``outer_optimizers`` that is not a mapping of callables, or
-            a factory that returns something other than a ``torch.optim.Optimizer`` over exactly the
-            tensors it is given; for an
-            ``outer_state_device`` that is not a string or ``torch.device``.
-        RuntimeError: if the ranks were given different settings (outer optimizers of other classes or
-            hyperparameters included), or another rank's settings were
-            invalid (that rank raises the ValueError or TypeError; the others, in the constructor's
-            one agreement collective, a RuntimeError naming it, instead of waiting for it); at an
-            averaging round, on every rank of the subgroup, if ``param_groups`` holds tensors this
-            wrapper was not given.
+            ``tensors_to_average`` is not callable; for a DTensor parameter split over ranks of this rank's
+            averaging subgroup; for a setting of an unsupported type (``outer_optimizers``, a factory that
+            builds no ``torch.optim.Optimizer`` over exactly its tensors, ``outer_state_device``).
+        RuntimeError: if the ranks were given different settings (outer optimizers' classes and
+            hyperparameters included), or another rank's were invalid (that rank raises its ValueError or
+            TypeError, the others a RuntimeError naming it, never a hang); at a round, on every rank of the
+            subgroup, if ``param_groups`` holds tensors this wrapper was not given.
 
     Example::
 
@@ -240,21 +180,19 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
                 nonfinite=nonfinite,
                 comm_dtype=comm_dtype,
                 ranks_per_node=ranks_per_node,
+                average_frozen=average_frozen,
+                outer_optimizers=outer_optimizers,
+                outer_state_device=outer_state_device,
+                log_metrics_every=log_metrics_every,
             )
-            if not isinstance(average_frozen, bool):
-                raise ValueError(
-                    f"average_frozen must be True or False, got {average_frozen!r} ({type(average_frozen).__name__})."
-                )
             if isinstance(buffers, torch.Tensor):
                 raise TypeError("buffers must be an iterable of tensors, e.g. model.buffers(), got a single Tensor.")
-            check_log_metrics_every(log_metrics_every)
             if tensors_to_average is not None and not callable(tensors_to_average):
                 raise TypeError(
                     f"tensors_to_average must be a function returning the tensors to average, got "
                     f"{type(tensors_to_average).__name__}: pass e.g. lambda: [...], so that tensors the inner "
                     "optimizer creates at its first step (fp32 master weights) are looked up at each round."
                 )
-            check_outer(config, outer_optimizers, outer_state_device)
             params = unique_params(optimizer.param_groups)
             if dist.is_available() and dist.is_initialized():
                 check_dtensor_layout(params, own_subgroups(config, process_group))
@@ -265,7 +203,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.buffers = [b for b in (() if buffers is None else buffers) if b.is_floating_point()]
         self._tensors_fn = tensors_to_average
-        self.average_frozen = average_frozen
+        self.average_frozen = config.average_frozen
         """Whether parameters with ``requires_grad=False`` are averaged too (else skipped)."""
         # The parameters this wrapper averages, by identity (the references keep the ids unique).
         self._given: dict[int, torch.Tensor] = {id(p): p for _, _, p in params}
@@ -279,12 +217,15 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        # Until the averager reads these three fields from the config itself (and compares
+        # config.agreement_value()), they travel as its keywords, and the factories, whose repr differs
+        # between processes, stay out of the config it compares by repr.
         self.averager = HierarchicalAverager(
-            config,
+            dataclasses.replace(config, outer_optimizers={}),
             process_group,
-            log_metrics_every=log_metrics_every,
-            outer_optimizers=outer_optimizers,
-            outer_state_device=outer_state_device,
+            log_metrics_every=config.log_metrics_every,
+            outer_optimizers=config.outer_optimizers,
+            outer_state_device=config.outer_state_device,
         )
         # The buffers come last in tensors_to_average(); an outer optimizer steps the parameters only.
         self.averager.outer_skip_last = len(self.buffers)

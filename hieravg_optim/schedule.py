@@ -23,7 +23,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AveragingLevel", "Levels", "as_levels", "entries_by_period", "level_at", "period_of_key", "rounds_per_level"]
+__all__ = [
+    "AveragingLevel",
+    "Levels",
+    "as_levels",
+    "entries_by_period",
+    "level_at",
+    "parse_levels",
+    "period_of_key",
+    "rounds_per_level",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +97,58 @@ def entries_by_period(
         keys[period] = key
         entries.append((period, key, item))
     return entries
+
+
+def parse_levels(
+    period_group_size: Mapping[int | str, int] | Iterable[AveragingLevel | tuple[int, int]],
+) -> tuple[AveragingLevel, ...]:
+    """Turn ``{period: group_size}`` (or a sequence of levels or pairs) into levels.
+
+    The order is the order given; :class:`AveragingConfig` checks that the periods strictly
+    increase. Periods are read by :func:`hieravg_optim.schedule.period_of_key`: ints, numpy
+    integers, or (as in JSON) strings of digits.
+
+    Raises:
+        ValueError: if it is empty, or a period or group size is not an integer.
+        TypeError: if ``period_group_size`` is neither a mapping nor an iterable of pairs.
+    """
+    if isinstance(period_group_size, Mapping):
+        pairs = list(period_group_size.items())
+    elif isinstance(period_group_size, Iterable) and not isinstance(period_group_size, (str, bytes)):
+        pairs = []
+        for item in period_group_size:
+            if isinstance(item, AveragingLevel):
+                pairs.append((item.period, item.group_size))
+            elif isinstance(item, (tuple, list)) and len(item) == 2:
+                pairs.append((item[0], item[1]))
+            else:
+                raise TypeError(
+                    f"period_group_size items must be AveragingLevel or (period, group_size) pairs, got {item!r}."
+                )
+    else:
+        raise TypeError(
+            "period_group_size must be a mapping {period: group_size}, e.g. {4: 8, 32: 16}, "
+            f"got {type(period_group_size).__name__}."
+        )
+    if not pairs:
+        raise ValueError(
+            "period_group_size must not be empty: give at least one {period: group_size}, "
+            "the last group size being the size of the process group."
+        )
+    levels = []
+    for key, group_size in pairs:
+        period = period_of_key(key)
+        if period is None:
+            raise ValueError(
+                f"Period {key!r} in period_group_size must be a positive integer, got {key!r} ({type(key).__name__})."
+            )
+        if not isinstance(group_size, numbers.Integral) and not isinstance(group_size, bool):
+            raise ValueError(
+                f"Group size {group_size!r} of period {key!r} in period_group_size must be a positive integer "
+                f"(a number of ranks), got {type(group_size).__name__}."
+            )
+        levels.append(AveragingLevel(period=period, group_size=int(group_size)))
+    return tuple(levels)
 
 
 Levels = Sequence[AveragingLevel] | Mapping[int, int] | Iterable[tuple[int, int]]

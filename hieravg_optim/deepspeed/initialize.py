@@ -1,7 +1,7 @@
 """``initialize``: :func:`deepspeed.initialize` plus the averaging of the config's ``"hierarchical_averaging"`` section.
 
 :func:`initialize` runs in named steps: read the config and check everything local on
-every rank (:func:`_check_locally`, no collective); agree across ranks, in one collective
+every rank (:func:`~hieravg_optim.deepspeed.local.check_locally`, no collective); agree across ranks, in one collective
 (:func:`_agree`); then build the engine, plain (:func:`_deepspeed_initialize`) or with
 the replica mpu and the averaging attached (:func:`_initialize_with_averaging`).
 """
@@ -11,27 +11,20 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..agreement import agree_across_ranks, raise_on_every_rank
-from ..config import AveragingConfig, warn_at_caller
-from ..optimizer import HierarchicalAveragingOptimizer
+from ..agreement import agree_across_ranks
+from .._validation import warn_at_caller
+from ..config import AveragingConfig
 from ..outer import OuterFactory
 from .engine import DeepSpeedAveraging
-from .hooks import attach
+from .hooks import attach, get_averaging
+from .local import Local, check_locally, find_config
 from .mpu import ReplicaParallelUnit
-from .section import (
-    SECTION,
-    SectionSettings,
-    check_world_size,
-    load_config,
-    parse_section,
-    resolve_ranks_per_replica,
-)
+from .section import SECTION, check_world_size
 
 __all__ = ["initialize"]
 
@@ -69,56 +62,16 @@ def initialize(
 
     Same arguments and same return value as :func:`deepspeed.initialize` (DeepSpeed 0.19).
     The config (``config``, ``config_params`` or ``args.deepspeed_config``, a dict, a JSON
-    path or a base64 string) may have a top-level ``"hierarchical_averaging"`` section:
-
-    * ``period_group_size`` (required): JSON object ``{"period": group_size}``; every
-      ``period`` engine optimizer steps, blocks of ``group_size`` consecutive ranks average.
-      Periods strictly increasing; the last group size is the world size; every group size
-      a multiple of ``ranks_per_replica``.
-    * ``warmup_steps`` (default 0): engine optimizer steps that never average.
-    * ``ranks_per_replica`` (default ``"auto"``: ``LOCAL_WORLD_SIZE`` or the launcher's
-      ``LOCAL_SIZE``, the ranks of one node): consecutive ranks that form one DeepSpeed
-      data-parallel group (gradients reduced every step, ZeRO partitions within it).
-    * ``bucket_cap_mb`` (default 25): communication bucket size, in MB.
-    * ``average_buffers`` (default true): average the module's floating-point buffers
-      (BatchNorm running statistics) with the weights: broadcast from rank 0 at the start
-      and, at each round, replaced by their mean over the level's whole block of ranks (see
-      :class:`~hieravg_optim.deepspeed.DeepSpeedAveraging`). On by default because DDP keeps
-      buffers equal on every rank and plain DeepSpeed leaves them different on every rank;
-      false keeps them local to each rank, as DeepSpeed does.
-    * ``synchronous_warmup`` (default true): during the warm-up, average all replicas after every
-      engine optimizer step (one top-level round per step), so that the warm-up is synchronous
-      across replicas as in post-local SGD; false: warm-up steps never average (the replicas
-      train apart until ``warmup_steps``).
-    * ``average_frozen`` (default false): also average the module's parameters with
-      ``requires_grad=False`` (ZeRO 0-2; ZeRO-3 with a frozen parameter raises
-      ``NotImplementedError``); false: they are never sent and never changed by averaging.
-    * ``collective_timeout_s`` (default null: the default group's timeout): timeout of the averaging
-      subgroups' collectives, in seconds; a hung peer is reported after it (see ``docs/faults.md``).
-    * ``nonfinite`` (default ``"raise"``): ``"raise"``, ``"skip_replica"`` or ``"ignore"``, what a
-      round does when a replica's master weights hold a NaN or an infinity (see
-      :class:`~hieravg_optim.HierarchicalAveragingOptimizer`).
-    * ``comm_dtype`` (default: each tensor's own dtype): the dtype tensors travel in, one name
-      (``"float32"``, ``"bf16"``, ``"fp16"``, ``"float64"``) or ``{"period": name}`` per level, e.g.
-      ``{"64": "bf16"}``; ZeRO's fp32 partitions stay fp32, only the wire copy is rounded.
-    * ``ranks_per_node`` (default null: flat): ranks of one node, or ``"auto"``; levels spanning
-      several nodes then average node-aware (reduce-scatter in the node, all-reduce across nodes,
-      all-gather in the node).
-    * ``outer_optimizer`` (default: none): ``{"period": {"type": name, "params": {...}}}``, an outer
-      optimizer for that level (DiLoCo, https://arxiv.org/abs/2311.08105), in the form of DeepSpeed's
-      ``"optimizer"`` section: ``type`` names a ``torch.optim`` class (``"SGD"``; also without regard to
-      case, ``"sgd"``), ``params`` its keyword arguments, e.g. ``{"64": {"type": "SGD", "params":
-      {"lr": 0.7, "momentum": 0.9, "nesterov": true}}}``. That level's round then takes one step of
-      it on ``anchor - mean`` of this rank's fp32 master partitions (see ``docs/outer.md``); the
-      levels without an entry average.
-    * ``outer_state_device`` (default null: with the master weights): ``"cpu"`` keeps the anchors and
-      the outer optimizer state in host memory.
-    * ``enabled`` (default true): false ignores the section.
+    path or a base64 string) may have a top-level ``"hierarchical_averaging"`` section, whose keys
+    are the fields of :class:`~hieravg_optim.AveragingConfig` (``period_group_size``, required, for
+    its levels; ``outer_optimizer`` for its outer optimizers, in the form of DeepSpeed's
+    ``"optimizer"`` section) plus ``enabled``, ``average_buffers`` and ``"auto"`` for
+    ``ranks_per_replica`` (the default: the ranks of one node). The keys, their defaults and what
+    differs from the core are listed in ``docs/deepspeed.md``.
 
     ``average_buffers``, ``collective_timeout_s`` and ``nonfinite`` may also be passed as keywords
-    (the section's meaning, the same on every rank);
-    a keyword and a different value in the section are a ``ValueError``, and so is a keyword without
-    an enabled section.
+    (the section's meaning, the same on every rank); a keyword and a different value in the section
+    are a ``ValueError``, and so is a keyword without an enabled section.
 
     The section is removed before the config reaches DeepSpeed. The batch size keys then
     count one replica: ``train_batch_size = train_micro_batch_size_per_gpu x
@@ -183,7 +136,7 @@ def initialize(
     )
     if distributed_port is not None:
         ds_kwargs["distributed_port"] = distributed_port
-    source, from_args = _find_config(args, config, config_params)
+    source, from_args = find_config(args, config, config_params)
     initialized = dist.is_available() and dist.is_initialized()
     overrides = {
         k: v
@@ -194,7 +147,7 @@ def initialize(
         )
         if v is not None
     }
-    local = _check_locally(source, model, optimizer, mpu, mesh_param, initialized, overrides, lr_scheduler)
+    local = check_locally(source, model, optimizer, mpu, mesh_param, initialized, overrides, lr_scheduler)
     # Without any config DeepSpeed raises its own error; the agreement then only runs when another rank
     # may be waiting in it.
     if local.loaded is not None or initialized:
@@ -204,8 +157,9 @@ def initialize(
         return deepspeed.initialize(args=args, config=config, config_params=config_params, **ds_kwargs)
     if local.averaging_config is None:  # "enabled": false
         return _deepspeed_initialize(args, from_args, local.ds_config, ds_kwargs)
-    return _initialize_with_averaging(
-        local.averaging_config,
+    averaging = local.averaging_config
+    result = _initialize_with_averaging(
+        averaging,
         args,
         from_args,
         local.ds_config,
@@ -213,101 +167,13 @@ def initialize(
         training_data,
         collate_fn,
         average_buffers=local.settings.average_buffers,
-        average_frozen=local.settings.average_frozen,
-        outer_optimizers=local.settings.outer_optimizers(),
-        outer_state_device=local.settings.outer_state_device,
+        average_frozen=averaging.average_frozen,
+        outer_optimizers=averaging.outer_optimizers,
+        outer_state_device=averaging.outer_state_device,
     )
-
-
-@dataclass(slots=True)
-class _Local:
-    """What this rank found before any collective."""
-
-    loaded: dict[str, Any] | None = None
-    """The whole config; ``None`` when none was given."""
-    settings: SectionSettings | None = None
-    """The parsed section; ``None`` when the config has none."""
-    ds_config: dict[str, Any] | None = None
-    """The config without the section, for DeepSpeed; ``None`` when the config has no section."""
-    averaging_config: AveragingConfig | None = None
-    """The core config, ``ranks_per_replica`` resolved; ``None`` without a section or with ``"enabled": false``."""
-
-
-def _find_config(args: Any, config: Any, config_params: Any) -> tuple[Any, bool]:
-    """The config as :func:`deepspeed.initialize` finds it, and whether it came from ``args``."""
-    source = config if config is not None else config_params
-    from_args = False
-    if source is None and args is not None:
-        source = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-        from_args = source is not None
-    return source, from_args
-
-
-def _check_locally(
-    source: Any,
-    model: Any,
-    optimizer: Any,
-    mpu: Any,
-    mesh_param: Any,
-    initialized: bool,
-    overrides: Mapping[str, Any] | None = None,
-    lr_scheduler: Any = None,
-) -> _Local:
-    """Read the config, parse the section and check the arguments, on this rank alone.
-
-    Where torch.distributed is already initialized, a failure on some ranks only (a missing config
-    file, an invalid section) is raised on every rank, instead of leaving the others waiting in
-    :func:`_agree` or in DeepSpeed's first collective.
-    """
-    local = _Local()
-    try:
-        if isinstance(optimizer, HierarchicalAveragingOptimizer):
-            raise TypeError(
-                f"optimizer is a {type(optimizer).__name__}: DeepSpeed would replace its param_groups with its own "
-                "flat partitions, a different part of the model on each rank. Pass the inner optimizer (e.g. "
-                f"optimizer={type(optimizer).__name__}(...).optimizer, or the torch.optim.AdamW you wrapped) "
-                f'and give the config a "{SECTION}" section: the section does the averaging.'
-            )
-        local.loaded = load_config(source) if source is not None else None
-        if local.loaded is not None and SECTION in local.loaded:
-            local.settings = _with_overrides(parse_section(local.loaded[SECTION]), local.loaded[SECTION], overrides)
-            local.ds_config = {k: v for k, v in local.loaded.items() if k != SECTION}
-            local.averaging_config = _local_averaging_config(
-                local.settings, local.ds_config, model, optimizer, mpu, mesh_param
-            )
-            if local.averaging_config is not None:
-                _check_empty_groups(optimizer, lr_scheduler)
-        if overrides and local.averaging_config is None:
-            raise ValueError(
-                f"{', '.join(f'{k}={v!r}' for k, v in overrides.items())} given to initialize(), but the config has no "
-                f'enabled "{SECTION}" section: add one with "period_group_size", or drop the keyword.'
-            )
-    except Exception as exc:  # noqa: BLE001 - raised on every rank
-        if not initialized:
-            raise
-        raise_on_every_rank(exc, None, f'the DeepSpeed config and its "{SECTION}" section')
-    return local
-
-
-def _with_overrides(
-    settings: SectionSettings, section: Mapping[str, Any], overrides: Mapping[str, Any] | None
-) -> SectionSettings:
-    """``settings`` with the keywords of :func:`initialize` that are given; a different value in the section is an error.
-
-    Raises:
-        ValueError: naming the key, for a keyword that is invalid or differs from the section's value.
-    """
-    if not overrides:
-        return settings
-    merged = dict(section)
-    for key, value in overrides.items():
-        if key in section and section[key] != value:
-            raise ValueError(
-                f'initialize({key}={value!r}) differs from the "{SECTION}" section\'s "{key}": {section[key]!r}. '
-                "Give it in one place."
-            )
-        merged[key] = value
-    return parse_section(merged)
+    # Until the averager reads log_metrics_every from its config (it takes it as a keyword today).
+    get_averaging(result[0]).averager.log_metrics_every = averaging.log_metrics_every  # type: ignore[union-attr]
+    return result
 
 
 def _init_distributed(ds_kwargs: Mapping[str, Any]) -> None:
@@ -323,7 +189,7 @@ def _init_distributed(ds_kwargs: Mapping[str, Any]) -> None:
     )
 
 
-def _agree(local: _Local) -> None:
+def _agree(local: Local) -> None:
     """Check the levels against the world size, then agree across ranks: the one collective before the engine.
 
     Every rank must resolve the same settings ("auto" follows LOCAL_WORLD_SIZE, which differs between
@@ -340,13 +206,7 @@ def _agree(local: _Local) -> None:
             check_world_size(local.settings, local.averaging_config, dist.get_world_size())
         except ValueError as exc:
             error = exc
-        value: object = {
-            **asdict(local.averaging_config),
-            "average_buffers": local.settings.average_buffers,
-            "average_frozen": local.settings.average_frozen,
-            "outer_optimizer": local.settings.outer_optimizer,
-            "outer_state_device": local.settings.outer_state_device,
-        }
+        value: object = {**local.averaging_config.agreement_value(), "average_buffers": local.settings.average_buffers}
     else:
         value = "disabled" if local.loaded is not None else "no config"
     agree_across_ranks(_AGREEMENT, value, None, error=error, fix=_AGREEMENT_FIX)
@@ -428,18 +288,6 @@ def _initialize_with_averaging(
     return engine, ds_optimizer, dataloader, scheduler
 
 
-def _check_batch_size(ds_config: Mapping[str, Any], dp_size: int) -> None:
-    tb = ds_config.get("train_batch_size")
-    mb = ds_config.get("train_micro_batch_size_per_gpu")
-    gas = ds_config.get("gradient_accumulation_steps")
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in (tb, mb, gas)) and tb != mb * gas * dp_size:
-        raise ValueError(
-            f"train_batch_size={tb} must equal train_micro_batch_size_per_gpu ({mb}) x gradient_accumulation_steps "
-            f"({gas}) x the ranks of one replica ({dp_size}) = {mb * gas * dp_size}: with hierarchical averaging, "
-            "DeepSpeed's data-parallel group is one replica. Remove train_batch_size or set it to that value."
-        )
-
-
 def _shard_over_world(engine: Any, dataloader: Any, training_data: Any, collate_fn: Callable | None) -> Any:
     """Rebuild DeepSpeed's training data loader so that every rank, not every replica rank, gets its own shard.
 
@@ -461,86 +309,3 @@ def _shard_over_world(engine: Any, dataloader: Any, training_data: Any, collate_
     )
     engine.training_dataloader = engine.deepspeed_io(training_data, data_sampler=world_sampler, collate_fn=collate_fn)
     return engine.training_dataloader
-
-
-def _check_empty_groups(optimizer: Any, lr_scheduler: Any) -> None:
-    """An empty parameter group with a client scheduler *instance* is a ValueError naming the group.
-
-    DeepSpeed (``DeepSpeedEngine._configure_optimizer``) removes the parameter groups without
-    parameters from the client optimizer, after the scheduler was built on all of them: the
-    scheduler's per-group lists are then one longer than ``param_groups`` and its first step, in the
-    first ``engine.step()``, fails (``zip() argument 2 is longer than argument 1``). A scheduler
-    given as a callable is built by DeepSpeed on the optimizer without the empty groups, and works.
-    """
-    if lr_scheduler is None or callable(lr_scheduler) or not hasattr(optimizer, "param_groups"):
-        return
-    empty = [i for i, group in enumerate(optimizer.param_groups) if len(group["params"]) == 0]
-    if empty:
-        raise ValueError(
-            f"optimizer parameter group {empty[0]} has no parameters (empty groups: {empty}) and lr_scheduler is a "
-            f"{type(lr_scheduler).__name__} built on all {len(optimizer.param_groups)} groups: DeepSpeed removes the "
-            "empty groups from the optimizer but not from the scheduler, whose first step then fails. Remove the "
-            "empty groups before building the optimizer and the scheduler, or pass the scheduler as a callable, "
-            f"e.g. lr_scheduler=lambda opt: {type(lr_scheduler).__name__}(opt, ...), which DeepSpeed builds on the "
-            "optimizer without them."
-        )
-
-
-def _local_averaging_config(
-    settings: SectionSettings, ds_config: Mapping[str, Any], model: Any, optimizer: Any, mpu: Any, mesh_param: Any
-) -> AveragingConfig | None:
-    """The core config of an enabled section (``None`` if disabled), after every check that needs no collective."""
-    from deepspeed.runtime.pipe.module import PipelineModule
-
-    if not settings.enabled:
-        return None
-    if mpu is not None:
-        raise NotImplementedError(
-            "hierarchical averaging builds its own mpu (one data-parallel group per replica) and cannot be "
-            "combined with model/tensor/pipeline parallelism from an mpu. Remove the mpu, or remove the "
-            f'"{SECTION}" section.'
-        )
-    if mesh_param is not None or "sequence_parallel_size" in ds_config:
-        raise NotImplementedError(
-            "hierarchical averaging does not support sequence parallelism (mesh_param / sequence_parallel_size). "
-            f'Remove it, or remove the "{SECTION}" section.'
-        )
-    if isinstance(model, PipelineModule):
-        raise NotImplementedError(
-            "hierarchical averaging does not support pipeline parallelism (PipelineModule). Use a plain "
-            f'nn.Module, or remove the "{SECTION}" section.'
-        )
-    if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
-        raise NotImplementedError(
-            "the model was built under deepspeed.zero.Init, which partitions it over the whole world before "
-            "the replicas exist. Build it without zero.Init (ZeRO-3 still partitions it within each replica)."
-        )
-    if optimizer is None and "optimizer" not in ds_config:
-        raise ValueError(
-            "hierarchical averaging needs an optimizer to average after: pass optimizer=..., or give the "
-            'config an "optimizer" section.'
-        )
-    rpr = resolve_ranks_per_replica(settings)
-    averaging_config = settings.averaging_config(rpr)
-    _check_batch_size(ds_config, rpr)
-    _check_outer_state_device(settings.outer_state_device)
-    return averaging_config
-
-
-def _check_outer_state_device(device: str | None) -> None:
-    """``"outer_state_device"`` must be the CPU or DeepSpeed's accelerator.
-
-    Raises:
-        ValueError: naming the key, for another device type (e.g. ``"cuda"`` on DeepSpeed's CPU accelerator).
-    """
-    from deepspeed.accelerator import get_accelerator
-
-    if device is None:
-        return
-    accelerator = get_accelerator().device_name()
-    if torch.device(device).type not in ("cpu", accelerator):
-        allowed = " or ".join(repr(d) for d in dict.fromkeys(("cpu", accelerator)))
-        raise ValueError(
-            f'DeepSpeed config section "{SECTION}": key "outer_state_device" is {device!r}, but DeepSpeed runs on '
-            f"its {accelerator!r} accelerator: use {allowed}, or null (with the master weights)."
-        )

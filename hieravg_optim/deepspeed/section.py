@@ -1,31 +1,31 @@
-"""The ``"hierarchical_averaging"`` section of a DeepSpeed config: reading, parsing, validating.
+"""The ``"hierarchical_averaging"`` section of a DeepSpeed config: reading and parsing.
 
-Everything here is local (no collective): :func:`parse_section` checks the section as far as
-it can without the world size, :func:`resolve_ranks_per_replica` resolves ``"auto"`` from the
-launcher's environment, and :func:`check_world_size` checks the resolved levels against the
-world size, naming the section's keys. :func:`load_config` reads a config as DeepSpeed does.
+The section's keys are the fields of :class:`~hieravg_optim.AveragingConfig` (``period_group_size``
+for its levels, ``outer_optimizer`` for ``outer_optimizers``, in the form of DeepSpeed's ``"optimizer"``
+section), plus the adapter's own: ``enabled``, ``average_buffers`` and ``"auto"`` for
+``ranks_per_replica``. Every key is documented in ``docs/deepspeed.md`` and each setting's meaning at its
+field. Everything here is local (no collective): :func:`parse_section` checks the adapter's keys, turns
+the outer optimizer specs into factories and lets :meth:`AveragingConfig.create` check the rest, its
+errors naming the section's keys; :func:`resolve_ranks_per_replica` resolves ``"auto"``;
+:func:`check_world_size` checks the levels against the world size; :func:`load_config` reads a config as
+DeepSpeed does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import numbers
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..config import (
-    NONFINITE_POLICIES,
-    AveragingConfig,
-    MAX_COLLECTIVE_TIMEOUT_S,
-    check_collective_timeout_s,
-    check_nonfinite,
-    warn_at_caller,
-)
-from ..schedule import period_of_key
+from .._validation import FieldCheck, in_section, is_bool, local_world_size, setting_error, warn_at_caller
+from ..config import FIELD_CHECKS, AveragingConfig
+from ..outer import OuterFactory
+from ..schedule import parse_levels, period_of_key
 
 __all__ = [
     "SECTION",
@@ -40,92 +40,81 @@ __all__ = [
 SECTION = "hierarchical_averaging"
 """The top-level key of the DeepSpeed config this adapter reads (and removes before DeepSpeed sees it)."""
 
+_JSON_KEY = {"levels": "period_group_size", "outer_optimizers": "outer_optimizer"}
+"""The fields of :class:`AveragingConfig` whose JSON key is another name."""
+
+_SETTINGS = tuple(
+    f.name for f in dataclasses.fields(AveragingConfig) if f.init and f.name not in (*_JSON_KEY, "ranks_per_replica")
+)
+"""The keys passed to :meth:`AveragingConfig.create` as they are written (``ranks_per_replica`` once resolved)."""
+
 _KEYS = (
     "enabled",
-    "period_group_size",
-    "warmup_steps",
-    "ranks_per_replica",
-    "bucket_cap_mb",
-    "synchronous_warmup",
-    "average_frozen",
+    *(_JSON_KEY.get(f.name, f.name) for f in dataclasses.fields(AveragingConfig) if f.init),
     "average_buffers",
-    "collective_timeout_s",
-    "nonfinite",
-    "comm_dtype",
-    "ranks_per_node",
-    "outer_optimizer",
-    "outer_state_device",
 )
+"""Every key of the section: the config's fields, then the adapter's own."""
+
+_FLAG = FieldCheck(is_bool, "True or False", json="true or false")
+
+_DEFAULTS = {"synchronous_warmup": True}
+"""The section's defaults that differ from :meth:`AveragingConfig.create`'s (the fields say why)."""
+
+
+def _in_section(error: BaseException) -> ValueError:
+    """``error`` as the section reports it: naming its key for the error of a setting, else prefixed."""
+    return in_section(error, SECTION)
 
 
 @dataclass(frozen=True, slots=True)
 class SectionSettings:
-    """The parsed ``"hierarchical_averaging"`` section, before the world size is known."""
+    """The parsed ``"hierarchical_averaging"`` section, before the world size is known: the adapter's own keys,
+    and the core config built from the others."""
 
     enabled: bool
     """False: the section is ignored and DeepSpeed runs exactly as without it."""
-    period_group_size: Mapping[Any, Any] | None
-    """``{period: group_size}`` as written in the JSON (keys may be strings)."""
-    warmup_steps: int
-    """Engine optimizer steps that never average."""
-    ranks_per_replica: int | None
+    config: AveragingConfig
+    """The core config of every other key, with ``ranks_per_replica`` 1 while it is ``"auto"``: see
+    :meth:`averaging_config`."""
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    """The section's value keys as written (``period_group_size`` included, ``outer_optimizer`` and
+    ``ranks_per_replica`` not): :meth:`AveragingConfig.create`'s keywords."""
+    ranks_per_replica: int | None = None
     """Consecutive ranks forming one DeepSpeed data-parallel group; ``None`` = ``"auto"`` (one node)."""
-    bucket_cap_mb: float
-    """Communication bucket size, in MB (10**6 bytes)."""
-    synchronous_warmup: bool = True
-    """Average all replicas after every warm-up step (default ``true``), as post-local SGD's synchronous warm-up."""
-    average_frozen: bool = False
-    """Average the module's ``requires_grad=False`` parameters too (default ``false``: never sent, never changed)."""
     average_buffers: bool = True
-    """Average the module's floating-point buffers (BatchNorm running statistics) on the same schedule."""
-    collective_timeout_s: float | None = None
-    """Timeout of the averaging subgroups' collectives, in seconds; ``None``: the default group's."""
-    nonfinite: str = "raise"
-    """``"raise"``, ``"skip_replica"`` or ``"ignore"``: what a round does with a non-finite replica."""
-    comm_dtype: Any = None
-    """Wire dtype: one name, or ``{"period": name}``; ``None`` sends each tensor in its own dtype."""
-    ranks_per_node: int | str | None = None
-    """Ranks of one node for node-aware levels (``"auto"``: ``LOCAL_WORLD_SIZE`` / ``LOCAL_SIZE``); ``None``: flat."""
+    """Average the module's floating-point buffers (BatchNorm running statistics) on the same schedule: see
+    ``docs/deepspeed.md``."""
     outer_optimizer: Mapping[int, Mapping[str, Any]] | None = None
     """``{period: {"type": name, "params": {...}}}``, checked, keys as ints and ``type`` as the ``torch.optim``
     class name (e.g. ``"SGD"`` for ``"sgd"``); ``None``: every level averages."""
-    outer_state_device: str | None = None
-    """Where anchors and outer optimizer state live (e.g. ``"cpu"``); ``None``: with the master weights."""
 
-    def outer_optimizers(self) -> dict[int, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]:
-        """The outer optimizer factories of :attr:`outer_optimizer`, ``{period: factory}``.
+    @property
+    def period_group_size(self) -> Mapping[Any, Any]:
+        """``{period: group_size}`` as written in the JSON (keys may be strings)."""
+        return self.settings["period_group_size"]
 
-        ``factory(tensors)`` is ``cls(tensors, **params)``, ``cls`` the ``torch.optim`` class named by
-        ``type``: the ``outer_optimizers`` argument of :class:`~hieravg_optim.HierarchicalAverager`.
-        """
-        return {
-            period: functools.partial(getattr(torch.optim, spec["type"]), **spec["params"])
-            for period, spec in (self.outer_optimizer or {}).items()
-        }
+    @property
+    def outer_state_device(self) -> str | None:
+        """``"outer_state_device"`` as written, e.g. ``"cpu"``; ``None``: with the master weights."""
+        return self.settings.get("outer_state_device")
+
+    def outer_optimizers(self) -> dict[int, OuterFactory]:
+        """The outer optimizer factories of :attr:`outer_optimizer`, ``{period: factory}``: ``factory(tensors)`` is
+        ``cls(tensors, **params)``, ``cls`` the ``torch.optim`` class named by ``type``."""
+        return _factories(self.outer_optimizer)
 
     def averaging_config(self, ranks_per_replica: int) -> AveragingConfig:
-        """The core config, with ``ranks_per_replica`` resolved."""
+        """The core config with ``ranks_per_replica`` resolved: :attr:`config` itself when it has that value."""
+        if ranks_per_replica == self.config.ranks_per_replica:
+            return self.config
         try:
-            return AveragingConfig.create(
-                self.period_group_size,  # type: ignore[arg-type]
-                warmup_steps=self.warmup_steps,
-                ranks_per_replica=ranks_per_replica,
-                bucket_cap_mb=self.bucket_cap_mb,
-                synchronous_warmup=self.synchronous_warmup,
-                collective_timeout_s=self.collective_timeout_s,
-                nonfinite=self.nonfinite,
-                comm_dtype=self.comm_dtype,
-                ranks_per_node=self.ranks_per_node,
-            )
+            return dataclasses.replace(self.config, ranks_per_replica=ranks_per_replica)
         except (TypeError, ValueError) as err:
-            raise ValueError(f'DeepSpeed config section "{SECTION}": {err}') from None
+            raise _in_section(err) from None
 
 
 def _bad(key: str, value: Any, expected: str) -> ValueError:
-    return ValueError(
-        f'DeepSpeed config section "{SECTION}": key "{key}" must be {expected}, got {value!r} '
-        f"({type(value).__name__})."
-    )
+    return _in_section(setting_error(key, value, json=expected, message=""))
 
 
 def parse_section(section: Any) -> SectionSettings:
@@ -135,13 +124,12 @@ def parse_section(section: Any) -> SectionSettings:
         section: The value of the section, as loaded from JSON.
 
     Returns:
-        The settings; ``period_group_size`` is validated as far as possible without the world size.
+        The settings, with the core config checked as far as possible without the world size.
 
     Raises:
-        ValueError: naming the key and the value, for an unknown key, a missing
-            ``period_group_size``, or an invalid value. Each ``"outer_optimizer"`` entry is built and
-            stepped once on a dummy fp32 tensor here, so that ``params`` its ``torch.optim`` class
-            rejects fail now, naming the period, not at the first round.
+        ValueError: naming the key and the value, for an unknown key, a missing ``period_group_size``, or
+            an invalid value. Each ``"outer_optimizer"`` entry is built and stepped once on a dummy fp32
+            tensor here, so that ``params`` its ``torch.optim`` class rejects fail now, naming the period.
 
     Warns:
         UserWarning: for ``"outer_state_device"`` without ``"outer_optimizer"`` (it has no effect).
@@ -157,9 +145,6 @@ def parse_section(section: Any) -> SectionSettings:
             f'DeepSpeed config section "{SECTION}": unknown key {unknown[0]!r} (value {section[unknown[0]]!r}); '
             f"the keys are {list(_KEYS)}."
         )
-    enabled = section.get("enabled", True)
-    if not isinstance(enabled, bool):
-        raise _bad("enabled", enabled, "true or false")
     if "period_group_size" not in section:
         raise ValueError(
             f'DeepSpeed config section "{SECTION}": key "period_group_size" is required, e.g. '
@@ -168,89 +153,60 @@ def parse_section(section: Any) -> SectionSettings:
     pgs = section["period_group_size"]
     if not isinstance(pgs, Mapping):
         raise _bad("period_group_size", pgs, 'a JSON object {"period": group_size}, e.g. {"4": 8, "16": 16}')
-    warmup = section.get("warmup_steps", 0)
-    if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral) or warmup < 0:
-        raise _bad("warmup_steps", warmup, "a non-negative integer (optimizer steps)")
     rpr = section.get("ranks_per_replica", "auto")
-    if rpr == "auto" or rpr is None:
-        rpr_value = None
-    elif isinstance(rpr, bool) or not isinstance(rpr, numbers.Integral) or rpr <= 0:
-        raise _bad("ranks_per_replica", rpr, 'a positive integer (ranks) or "auto"')
-    else:
-        rpr_value = int(rpr)
-    cap = section.get("bucket_cap_mb", 25.0)
-    if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0:
-        raise _bad("bucket_cap_mb", cap, "a positive number (MB)")
-    flags = {}
-    for key, default in (("synchronous_warmup", True), ("average_frozen", False), ("average_buffers", True)):
-        flags[key] = section.get(key, default)
-        if not isinstance(flags[key], bool):
-            raise _bad(key, flags[key], "true or false")
-    timeout = section.get("collective_timeout_s")
-    try:
-        check_collective_timeout_s(timeout)
-    except ValueError:
-        raise _bad(
-            "collective_timeout_s",
-            timeout,
-            f"a positive number of seconds, at most {MAX_COLLECTIVE_TIMEOUT_S:g}, or null for the default group's",
-        ) from None
-    nonfinite = section.get("nonfinite", "raise")
-    try:
-        check_nonfinite(nonfinite)
-    except ValueError:
-        raise _bad("nonfinite", nonfinite, f"one of {list(NONFINITE_POLICIES)}") from None
-    comm_dtype = section.get("comm_dtype")
-    if comm_dtype is not None and not isinstance(comm_dtype, (str, Mapping)):
-        raise _bad("comm_dtype", comm_dtype, 'a dtype name such as "bf16", or {"period": "bf16"}')
-    rpn = section.get("ranks_per_node")
-    if rpn is not None and rpn != "auto" and (isinstance(rpn, bool) or not isinstance(rpn, numbers.Integral) or rpn <= 0):
-        raise _bad("ranks_per_node", rpn, 'a positive integer (ranks of one node), "auto" or null')
+    enabled, average_buffers = section.get("enabled", True), section.get("average_buffers", True)
     outer = section.get("outer_optimizer")
+    try:
+        for key, value in (("enabled", enabled), ("average_buffers", average_buffers)):
+            _FLAG(key, value)
+        if rpr not in ("auto", None):
+            FIELD_CHECKS["ranks_per_replica"]("ranks_per_replica", rpr)
+        periods = [lv.period for lv in parse_levels(pgs)]
+    except (TypeError, ValueError) as err:
+        raise _in_section(err) from None
     outer_keys: dict[int, Any] = {}  # period -> its key as written, for the messages below
     outer_parsed = None if outer is None else _parse_outer_optimizer(outer, outer_keys)
-    device = section.get("outer_state_device")
-    if device is not None:
-        try:
-            if not isinstance(device, str):
-                raise TypeError
-            torch.device(device)
-        except (TypeError, RuntimeError):
-            raise _bad(
-                "outer_state_device", device, 'a torch device name such as "cpu", or null (with the master weights)'
-            ) from None
-    settings = SectionSettings(
-        enabled=enabled,
-        period_group_size=dict(pgs),
-        warmup_steps=int(warmup),
-        ranks_per_replica=rpr_value,
-        bucket_cap_mb=float(cap),
-        **flags,
-        collective_timeout_s=None if timeout is None else float(timeout),
-        nonfinite=nonfinite,
-        comm_dtype=dict(comm_dtype) if isinstance(comm_dtype, Mapping) else comm_dtype,
-        ranks_per_node=int(rpn) if isinstance(rpn, numbers.Integral) else rpn,
-        outer_optimizer=outer_parsed or None,
-        outer_state_device=device,
-    )
-    if enabled:
-        # Everything about the levels that needs no world size (periods, group sizes, order, comm_dtype).
-        config = settings.averaging_config(ranks_per_replica=1)
-        periods = [lv.period for lv in config.levels]
-        for period in outer_parsed or {}:
-            if period not in periods:
-                raise ValueError(
-                    f'DeepSpeed config section "{SECTION}": key "outer_optimizer" has period {outer_keys[period]!r}, '
-                    f'which is not a period of "period_group_size" (one of {[str(p) for p in periods]}). Give the '
-                    f'outer optimizer of a level under its period, e.g. {{"{periods[-1]}": {{"type": "SGD", '
-                    '"params": {"lr": 0.7, "momentum": 0.9, "nesterov": true}}}.'
-                )
-        if device is not None and not outer_parsed:
-            warn_at_caller(
-                f'DeepSpeed config section "{SECTION}": "outer_state_device": {device!r} has no effect without '
-                '"outer_optimizer" (no level keeps anchors). Remove it, or add an "outer_optimizer".'
+    for period in outer_parsed or {}:
+        if period not in periods:
+            raise ValueError(
+                f'DeepSpeed config section "{SECTION}": key "outer_optimizer" has period {outer_keys[period]!r}, '
+                f'which is not a period of "period_group_size" (one of {[str(p) for p in periods]}). Give the '
+                f'outer optimizer of a level under its period, e.g. {{"{periods[-1]}": {{"type": "SGD", '
+                '"params": {"lr": 0.7, "momentum": 0.9, "nesterov": true}}}.'
             )
-    return settings
+    settings = {k: section[k] for k in _SETTINGS if k in section}
+    ranks_per_replica = None if rpr in ("auto", None) else int(rpr)
+    try:
+        config = AveragingConfig.create(
+            pgs,
+            ranks_per_replica=ranks_per_replica or 1,
+            outer_optimizers=_factories(outer_parsed),
+            **{**_DEFAULTS, **settings},
+        )
+    except (TypeError, ValueError) as err:
+        raise _in_section(err) from None
+    device = settings.get("outer_state_device")
+    if enabled and device is not None and not outer_parsed:
+        warn_at_caller(
+            f'DeepSpeed config section "{SECTION}": "outer_state_device": {device!r} has no effect without '
+            '"outer_optimizer" (no level keeps anchors). Remove it, or add an "outer_optimizer".'
+        )
+    return SectionSettings(
+        enabled=enabled,
+        config=config,
+        settings={"period_group_size": dict(pgs), **settings},
+        ranks_per_replica=ranks_per_replica,
+        average_buffers=average_buffers,
+        outer_optimizer=outer_parsed or None,
+    )
+
+
+def _factories(spec: Mapping[int, Mapping[str, Any]] | None) -> dict[int, OuterFactory]:
+    """``{period: factory}`` of a parsed ``"outer_optimizer"``: ``factory(tensors)`` is ``cls(tensors, **params)``."""
+    return {
+        period: functools.partial(getattr(torch.optim, entry["type"]), **entry["params"])
+        for period, entry in (spec or {}).items()
+    }
 
 
 def _torch_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
@@ -358,31 +314,22 @@ def _parse_outer_optimizer(value: Any, keys: dict[int, Any]) -> dict[int, dict[s
     return out
 
 
-def _auto_ranks_per_replica_source() -> str:
-    """Which environment variable ``"ranks_per_replica": "auto"`` reads, with its value."""
-    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        if os.environ.get(var) is not None:
-            return f"{var}={os.environ[var]}"
-    return "no environment variable"
-
-
 def resolve_ranks_per_replica(settings: SectionSettings) -> int:
-    """The section's ``ranks_per_replica``; for ``"auto"``, ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` (launcher).
+    """The section's ``ranks_per_replica``; ``"auto"``: ``LOCAL_WORLD_SIZE`` (torchrun), else ``LOCAL_SIZE``.
 
     Raises:
         ValueError: for ``"auto"`` when neither variable is set to a positive integer.
     """
     if settings.ranks_per_replica is not None:
         return settings.ranks_per_replica
-    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):  # torchrun, deepspeed launcher
-        value = os.environ.get(var)
-        if value is not None and value.isdigit() and int(value) > 0:
-            return int(value)
-    raise ValueError(
-        f'DeepSpeed config section "{SECTION}": key "ranks_per_replica" is "auto" (the ranks of one node), but '
-        "neither LOCAL_WORLD_SIZE (torchrun) nor LOCAL_SIZE (deepspeed launcher) is set. Set "
-        '"ranks_per_replica" to a number of ranks.'
-    )
+    ranks, _ = local_world_size()
+    if ranks is None:
+        raise ValueError(
+            f'DeepSpeed config section "{SECTION}": key "ranks_per_replica" is "auto" (the ranks of one node), but '
+            "neither LOCAL_WORLD_SIZE (torchrun) nor LOCAL_SIZE (deepspeed launcher) is set. Set "
+            '"ranks_per_replica" to a number of ranks.'
+        )
+    return ranks
 
 
 def check_world_size(settings: SectionSettings, config: AveragingConfig, world_size: int) -> None:
@@ -402,8 +349,7 @@ def check_world_size(settings: SectionSettings, config: AveragingConfig, world_s
     except ValueError as exc:
         origin = (
             f'"ranks_per_replica": "auto" resolved to {config.ranks_per_replica} from '
-            f"{_auto_ranks_per_replica_source()} (the ranks of one node); set it explicitly if that is not "
-            "what you want"
+            f"{local_world_size()[1]} (the ranks of one node); set it explicitly if that is not what you want"
             if settings.ranks_per_replica is None
             else f'"ranks_per_replica": {settings.ranks_per_replica}'
         )
@@ -441,8 +387,6 @@ def _read_config(config: Any) -> dict[str, Any]:
         raise ValueError(
             f"Expected a path to an existing DeepSpeed config, a dict, or a base64 string; got {config!r}."
         ) from None
-
-
 
 
 def _builds(cls: type[torch.optim.Optimizer]) -> bool:

@@ -9,8 +9,9 @@ HSDP) or not by FSDP, on every rank, before any averaging collective.
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 from collections.abc import Iterable, Iterator, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,16 +21,18 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from .._compat import DTensor, Placement, Replicate, Shard, fsdp2_param_groups
 from ..agreement import raise_on_every_rank
+from ..config import AveragingConfig
 from ..tensors import local_tensor, unique_params
-from ..comm_dtype import CommDtype
 from ..optimizer import HierarchicalAveragingOptimizer
-from ..outer import OuterFactory
 from ..schedule import AveragingLevel
 from .mesh import HSDP_FIX, REPLICATE_DIM, SHARD_DIM, check_fsdp1_strategy, check_replicate_shard_mesh
 
 __all__ = ["FSDPHierarchicalAveragingOptimizer", "ShardLayout", "optimizer_params"]
 
 logger = logging.getLogger(__name__)
+
+_SETTINGS = frozenset(f.name for f in fields(AveragingConfig) if f.init) - {"levels", "ranks_per_replica"}
+"""The settings forwarded through ``**settings``: every field of the config but the levels and the mesh's."""
 
 
 def _fsdp1_units(module: nn.Module) -> list[FSDP]:
@@ -74,37 +77,19 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
     Args:
         optimizer: The inner optimizer, built over ``module.parameters()`` after FSDP wrapping.
         module: The FSDP1-wrapped module or the FSDP2-sharded module.
-        mesh: The ``(replicate, shard)`` mesh the replicas are sharded over.
+        mesh: The ``(replicate, shard)`` mesh the replicas are sharded over; ``ranks_per_replica`` is its
+            ``"shard"`` size (giving it too is a ``TypeError``).
         period_group_size_dict: ``{period: group_size}`` in steps and ranks, e.g. ``{4: 2 * S, 32: W}``.
         warmup_steps: Warm-up steps (counts ``0 .. warmup_steps - 1``) of post-local SGD.
-        bucket_cap_mb: Bucket size, in MB (10**6 bytes).
-        synchronous_warmup: ``True`` (default): average all replicas (the top level) after every
-            warm-up step, so that the warm-up is synchronous across replicas as post-local SGD
-            (https://arxiv.org/abs/1808.07217) prescribes; FSDP reduces gradients only within a
-            replica. ``False``: warm-up steps never average, and the replicas train apart until
-            ``warmup_steps``.
-        average_frozen: Also average parameters with ``requires_grad=False``. ``False`` (default):
-            an FSDP2 parameter, or an FSDP1 flat parameter all of whose optimizer parameters are
-            frozen, is skipped (not sent, not changed). An FSDP1 flat parameter with
-            ``use_orig_params=True`` that mixes frozen and trainable parameters is averaged whole
-            (the frozen elements, the same on every replica, stay equal up to rounding): put frozen
-            modules in their own FSDP unit to skip them.
-        collective_timeout_s: Timeout of the averaging subgroups' collectives, in seconds; ``None``: the
-            default group's. See :class:`~hieravg_optim.HierarchicalAveragingOptimizer`.
-        nonfinite: ``"raise"`` (default), ``"skip_replica"`` or ``"ignore"``: what a round does when a
-            replica's local shard holds a NaN or an infinity. See
-            :class:`~hieravg_optim.HierarchicalAveragingOptimizer`; the check is per averaging subgroup,
-            that is per shard index.
-        comm_dtype: Wire dtype, one value or ``{period: dtype}``; ``None`` sends each tensor in its own
-            dtype. ``"bf16"`` sends fp32 shards as bfloat16 and keeps them fp32 (see
-            :class:`~hieravg_optim.HierarchicalAveragingOptimizer`).
-        ranks_per_node: Ranks of one node (or ``"auto"``) for node-aware levels; ``None``: flat
-            (see :class:`~hieravg_optim.HierarchicalAveragingOptimizer`).
-        outer_optimizers: ``{period: factory}``: outer optimizers per level over fp32 anchors of this rank's
-            local shards (see :class:`~hieravg_optim.HierarchicalAveragingOptimizer` and ``docs/outer.md``).
-            With ``warmup_steps=0`` the anchors are taken at construction, after the broadcast from replica 0.
-        outer_state_device: Where the anchors and outer optimizer state live (``"cpu"``); ``None``: each
-            shard's device.
+        synchronous_warmup: [`synchronous_warmup`][hieravg_optim.AveragingConfig.synchronous_warmup];
+            ``True`` by default here, because FSDP reduces gradients within a replica only.
+        **settings: Any other setting of :meth:`~hieravg_optim.AveragingConfig.create` (``bucket_cap_mb``,
+            ``average_frozen``, ``collective_timeout_s``, ``nonfinite``, ``comm_dtype``, ``ranks_per_node``,
+            ``outer_optimizers``, ``outer_state_device``, ``log_metrics_every``), with its default there; see
+            :class:`~hieravg_optim.AveragingConfig`. Here ``nonfinite`` is checked per shard index, and an
+            FSDP1 flat parameter with ``use_orig_params=True`` mixing frozen and trainable parameters is
+            averaged whole under ``average_frozen=False`` (put frozen modules in their own FSDP unit to skip
+            them). Outer anchors are taken after the broadcast from replica 0.
 
     At construction, every replica's local shards (all FSDP1 flat parameters of the module, or
     all FSDP2 parameters, frozen ones included) are overwritten with those of replica 0, as
@@ -142,16 +127,17 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         period_group_size_dict: Mapping[int, int] | Iterable[AveragingLevel],
         warmup_steps: int = 0,
         *,
-        bucket_cap_mb: float = 25.0,
         synchronous_warmup: bool = True,
-        average_frozen: bool = False,
-        collective_timeout_s: float | None = None,
-        nonfinite: str = "raise",
-        comm_dtype: CommDtype = None,
-        ranks_per_node: int | str | None = None,
-        outer_optimizers: Mapping[int | str, OuterFactory] | None = None,
-        outer_state_device: str | torch.device | None = None,
+        **settings: Any,
     ) -> None:
+        if "ranks_per_replica" in settings:
+            raise TypeError(
+                f"ranks_per_replica={settings['ranks_per_replica']!r} given to FSDPHierarchicalAveragingOptimizer: it "
+                "is the size of the mesh's \"shard\" dimension. Remove it."
+            )
+        for name in settings:
+            if name not in _SETTINGS:
+                raise TypeError(f"FSDPHierarchicalAveragingOptimizer() got an unexpected keyword argument {name!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group() first.")
         try:
@@ -169,15 +155,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             warmup_steps,
             None,
             ranks_per_replica=shards,
-            bucket_cap_mb=bucket_cap_mb,
             synchronous_warmup=synchronous_warmup,
-            average_frozen=average_frozen,
-            collective_timeout_s=collective_timeout_s,
-            nonfinite=nonfinite,
-            comm_dtype=comm_dtype,
-            ranks_per_node=ranks_per_node,
-            outer_optimizers=outer_optimizers,
-            outer_state_device=outer_state_device,
+            **settings,
         )
         if dist.get_rank() == 0:
             logger.info(
