@@ -9,7 +9,6 @@ outer optimizers, state dict and metrics are base classes from ``anchors``, ``ch
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -105,14 +104,16 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         outer_state_device: str | torch.device | None = None,
         replica_group: dist.ProcessGroup | None = None,
     ) -> None:
+        # The keywords of 0.1, folded into the config (drop at 0.2): checked there, factories probed once.
+        given = {"log_metrics_every": log_metrics_every, "outer_optimizers": outer_optimizers,
+                 "outer_state_device": outer_state_device}  # fmt: skip
+        given = {k: v for k, v in given.items() if v is not None}
         if not dist.is_available() or not dist.is_initialized():
-            check_log_metrics_every(log_metrics_every)  # a bad value is named first, as with a process group
-            check_outer(config, outer_optimizers, outer_state_device)
+            config.updated(**given)  # a bad value is named first, as with a process group
             raise RuntimeError(
                 "torch.distributed is not initialized: call torch.distributed.init_process_group() "
                 "(or launch with torchrun / deepspeed) before creating the averager."
             )
-        self.config = config
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         if dist.get_rank(self.process_group) < 0:
             raise ValueError(
@@ -121,27 +122,18 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             )
         self.world_size = dist.get_world_size(self.process_group)
         if agreed:
-            check_log_metrics_every(log_metrics_every)
-            factories, device, _ = check_outer(config, outer_optimizers, outer_state_device)
+            config = config.updated(**given) if given else config
         else:
             # Local checks; a failure on some ranks only is raised on every rank by the agreement below.
             error: BaseException | None = None
-            factories, device, kinds = {}, None, {}
             try:
-                check_log_metrics_every(log_metrics_every)
+                config = config.updated(**given) if given else config
                 config.check_world_size(self.world_size)
-                factories, device, kinds = check_outer(config, outer_optimizers, outer_state_device)
             except (TypeError, ValueError) as exc:
                 error = exc
-            agreed_value = {
-                **asdict(config),
-                "periods with an outer optimizer": sorted(factories),
-                "outer_state_device": None if device is None else str(device),
-                # The class and hyperparameters of each level's outer optimizer: replicas stepping with
-                # different outer optimizers would drift apart silently.
-                "outer optimizers (class, defaults)": kinds,
-            }
-            agree_across_ranks("the averaging config", agreed_value, self.process_group, error=error)
+            agree_across_ranks("the averaging config", config.agreement_value(), self.process_group, error=error)
+        self.config = config
+        factories, device = config.outer_optimizers, config.outer_state_device
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
         # A sharded replica's ranks decide together whether it is finite (one int64 per round).
         timeout = group_timeout(config, self.process_group)
@@ -162,7 +154,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         # The first step checks that every rank starts at the same count: a checkpoint loaded on some
         # ranks only is then a RuntimeError there, not a collective mismatch.
         self._verify_step_pending = True
-        self.log_metrics_every: int | None = log_metrics_every
+        self.log_metrics_every: int | None = config.log_metrics_every
         """Log :meth:`metrics` through ``logging`` at INFO every this many steps (``None``: never)."""
         self.outer_state_device: torch.device | None = device
         """Where anchors and outer optimizer state live; ``None``: each tensor's own device."""

@@ -8,7 +8,6 @@ torch's ``PostLocalSGDOptimizer`` wraps a ``HierarchicalModelAverager``. The ave
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -217,16 +216,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
-        # Until the averager reads these three fields from the config itself (and compares
-        # config.agreement_value()), they travel as its keywords, and the factories, whose repr differs
-        # between processes, stay out of the config it compares by repr.
-        self.averager = HierarchicalAverager(
-            dataclasses.replace(config, outer_optimizers={}),
-            process_group,
-            log_metrics_every=config.log_metrics_every,
-            outer_optimizers=config.outer_optimizers,
-            outer_state_device=config.outer_state_device,
-        )
+        self.averager = HierarchicalAverager(config, process_group)
         # The buffers come last in tensors_to_average(); an outer optimizer steps the parameters only.
         self.averager.outer_skip_last = len(self.buffers)
         self._sync_replicas_at_construction()

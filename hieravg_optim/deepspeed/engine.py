@@ -115,15 +115,14 @@ class DeepSpeedAveraging:
             its own check and agreement collective.
         average_buffers: Average the floating-point buffers of ``engine.module`` as described above;
             ``False`` leaves them as DeepSpeed does (local to each rank).
-        average_frozen: Also average the module's parameters with ``requires_grad=False`` (the
-            section's ``"average_frozen"``); ``False`` (default) leaves them untouched and unsent.
-        outer_optimizers: ``{period: factory}``, the outer optimizer of each level that has one (the
-            section's ``"outer_optimizer"``), as :class:`~hieravg_optim.HierarchicalAverager` takes it:
-            ``factory(tensors)`` builds a ``torch.optim.Optimizer`` over that level's anchors, fp32 copies
-            of :meth:`tensors_to_average` (this rank's master partitions, sharded as they are). See
-            ``docs/outer.md`` and :meth:`take_anchors`.
-        outer_state_device: Where anchors and outer optimizer state live (the section's
-            ``"outer_state_device"``, e.g. ``"cpu"``); ``None``: with the master weights.
+        average_frozen: Also average the module's parameters with ``requires_grad=False``, as
+            ``config.average_frozen`` (the section's ``"average_frozen"``) does; either one turns it on.
+        outer_optimizers, outer_state_device: Kept for calls written before these were
+            `AveragingConfig` fields
+            ([`outer_optimizers`][hieravg_optim.AveragingConfig.outer_optimizers],
+            [`outer_state_device`][hieravg_optim.AveragingConfig.outer_state_device]); given here, they replace the
+            config's. The outer optimizers step over fp32 copies of :meth:`tensors_to_average` (this
+            rank's master partitions, sharded as they are): see ``docs/outer.md``.
 
     Raises:
         NotImplementedError: for ``average_frozen=True`` under ZeRO-3 with a frozen parameter in the
@@ -154,7 +153,7 @@ class DeepSpeedAveraging:
         self.config = config
         self.mpu = mpu
         self.kind = _optimizer_kind(engine.optimizer)
-        self.average_frozen = average_frozen
+        self.average_frozen = average_frozen or config.average_frozen
         """Whether the module's frozen parameters (``requires_grad=False``) are averaged too."""
         if average_frozen and self.kind == "zero3" and any(not p.requires_grad for p in engine.module.parameters()):
             raise NotImplementedError(

@@ -19,9 +19,8 @@ import torch.distributed as dist
 from ..agreement import agree_across_ranks
 from .._validation import warn_at_caller
 from ..config import AveragingConfig
-from ..outer import OuterFactory
 from .engine import DeepSpeedAveraging
-from .hooks import attach, get_averaging
+from .hooks import attach
 from .local import Local, check_locally, find_config
 from .mpu import ReplicaParallelUnit
 from .section import SECTION, check_world_size
@@ -158,7 +157,7 @@ def initialize(
     if local.averaging_config is None:  # "enabled": false
         return _deepspeed_initialize(args, from_args, local.ds_config, ds_kwargs)
     averaging = local.averaging_config
-    result = _initialize_with_averaging(
+    return _initialize_with_averaging(
         averaging,
         args,
         from_args,
@@ -167,13 +166,7 @@ def initialize(
         training_data,
         collate_fn,
         average_buffers=local.settings.average_buffers,
-        average_frozen=averaging.average_frozen,
-        outer_optimizers=averaging.outer_optimizers,
-        outer_state_device=averaging.outer_state_device,
     )
-    # Until the averager reads log_metrics_every from its config (it takes it as a keyword today).
-    get_averaging(result[0]).averager.log_metrics_every = averaging.log_metrics_every  # type: ignore[union-attr]
-    return result
 
 
 def _init_distributed(ds_kwargs: Mapping[str, Any]) -> None:
@@ -244,9 +237,6 @@ def _initialize_with_averaging(
     collate_fn: Callable | None,
     *,
     average_buffers: bool,
-    average_frozen: bool,
-    outer_optimizers: Mapping[int, OuterFactory] | None = None,
-    outer_state_device: str | None = None,
 ):
     """The engine over the replica mpu, with the averaging attached; every replica starts from replica 0.
 
@@ -268,9 +258,6 @@ def _initialize_with_averaging(
         replica_mpu,
         agreed=True,
         average_buffers=average_buffers,
-        average_frozen=average_frozen,
-        outer_optimizers=outer_optimizers,
-        outer_state_device=outer_state_device,
     )
     attach(engine, state)  # the step hook, per-replica checkpoints, ZeRO-3's trace check within the replica
     if dist.get_rank() == 0:
@@ -283,7 +270,7 @@ def _initialize_with_averaging(
             state.kind,
             [(lv.period, lv.group_size) for lv in averaging_config.levels],
             averaging_config.warmup_steps,
-            {period: f.func.__name__ for period, f in (outer_optimizers or {}).items()} or None,
+            {period: f.func.__name__ for period, f in averaging_config.outer_optimizers.items()} or None,
         )
     return engine, ds_optimizer, dataloader, scheduler
 
