@@ -18,11 +18,11 @@ from .agreement import agree_across_ranks, raise_on_every_rank
 from .anchors import TAKE_ANCHORS, OuterAnchorsMixin, OuterLevels
 from .averaging import BucketPool
 from .checkpoint import AveragingStateMixin
-from .config import AveragingConfig
+from .config import AveragingConfig, check_log_metrics_every
 from .groups import LevelGroup, build_level_groups, group_timeout, timeout_seconds
-from .metrics import LevelMetrics, MetricsMixin, bytes_sent, check_log_metrics_every
+from .metrics import LevelMetrics, MetricsMixin, bytes_sent
 from .nonfinite import repair_skipped_replica_state
-from .outer import OuterFactory, check_outer
+from .outer import OuterFactory
 from .replica import replica_group_for
 from .rounds import average_round, average_round_within_replica
 from .schedule import AveragingLevel, level_at
@@ -34,11 +34,10 @@ __all__ = [
     "LevelMetrics",
     "bytes_sent",
     "check_log_metrics_every",
-    "check_outer",
     "local_tensor",
 ]
-# Re-exported for their old import path: TAKE_ANCHORS (anchors), LevelMetrics, bytes_sent and
-# check_log_metrics_every (metrics), check_outer (outer), local_tensor (tensors).
+# Re-exported for their old import path: TAKE_ANCHORS (anchors), LevelMetrics and bytes_sent
+# (metrics), check_log_metrics_every (config), local_tensor (tensors).
 
 
 class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin):

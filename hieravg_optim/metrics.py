@@ -8,7 +8,7 @@ from typing import Any
 
 from .groups import LevelGroup
 
-__all__ = ["LevelMetrics", "MetricsMixin", "bytes_sent", "check_log_metrics_every", "logger"]
+__all__ = ["LevelMetrics", "MetricsMixin", "bytes_sent", "logger"]
 
 logger = logging.getLogger(__package__ + ".optimizer")
 """The metrics of ``log_metrics_every`` go to the ``hieravg_optim.optimizer`` logger, the name documented for it."""
@@ -50,15 +50,6 @@ def bytes_sent(payload: int, lg: LevelGroup) -> int:
         return 2 * (lg.size - 1) * payload // lg.size
     m, q = lg.node.local_size, lg.node.cross_size
     return 2 * (m - 1) * payload // m + 2 * (q - 1) * payload // (q * m)
-
-
-def check_log_metrics_every(value: object) -> None:
-    """Raise ``ValueError`` unless ``value`` is ``None`` or a positive integer number of steps."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(
-            f"log_metrics_every must be a positive integer number of steps or None, got {value!r}. "
-            "Pass e.g. log_metrics_every=100 to log the averaging metrics every 100 steps."
-        )
 
 
 class MetricsMixin:

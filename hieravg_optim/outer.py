@@ -24,13 +24,11 @@ from typing import Any
 
 import torch
 
-from .config import AveragingConfig
 from .schedule import AveragingLevel, entries_by_period
 
 __all__ = [
     "OuterFactory",
     "build_outer_optimizer",
-    "check_outer",
     "check_outer_optimizers",
     "check_outer_state_device",
     "dry_step",
@@ -293,29 +291,6 @@ def _check_hyperparameters(optimizer: torch.optim.Optimizer, name: str, factory:
             "pseudo-gradient is anchor - mean (torchft's sign), so maximizing would step the anchors away from the "
             "mean at every round. Leave maximize=False."
         )
-
-
-def check_outer(
-    config: AveragingConfig,
-    outer_optimizers: Mapping[int | str, OuterFactory] | None,
-    outer_state_device: str | torch.device | None,
-) -> tuple[dict[int, OuterFactory], torch.device | None, dict[int, object]]:
-    """Validate ``outer_optimizers`` and ``outer_state_device`` against ``config``; local, no collective.
-
-    Each factory is probed on one small tensor (see :func:`probe_factory`).
-
-    Returns:
-        ``(factories, device, kinds)``: ``{period: factory}``, the device or ``None``, and per period the
-        outer optimizer's class and hyperparameters, which the ranks agree on at construction.
-
-    Raises:
-        TypeError, ValueError: see :func:`check_outer_optimizers` and :func:`check_outer_state_device`.
-    """
-    factories = check_outer_optimizers(outer_optimizers, config.levels)
-    device = check_outer_state_device(outer_state_device)
-    sizes = {lv.period: lv.group_size for lv in config.levels}
-    kinds = {period: probe_factory(period, factory, sizes[period]) for period, factory in factories.items()}
-    return factories, device, kinds
 
 
 def _meta_state(value: object) -> object:
