@@ -29,6 +29,7 @@ from .tensors import overlaps_itself
 __all__ = [
     "agree_across_ranks",
     "check_agreement",
+    "collective_device",
     "describe_difference",
     "digest",
     "has_nonfinite",
@@ -60,7 +61,7 @@ def agree_across_ranks(
     """
     group = process_group if process_group is not None else dist.group.WORLD
     world_size = dist.get_world_size(group)
-    device = _collective_device(group)
+    device = collective_device(group)
     mine = torch.tensor([digest(value), 0 if error is None else 1], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     hand_over(mine, *everyone)
@@ -158,7 +159,7 @@ def check_agreement(
     local = [context, tensor_signature(tensors)]
     mine = digest(local)
     # The same rule on every rank, whatever its tensors: a rank with none must not pick another device.
-    device = _collective_device(group)
+    device = collective_device(group)
     failed = 0 if error is None else 1
     flags = []
     if nonfinite is not None:  # one flag per rank of the group, this rank's own set: MAX yields them all
@@ -228,7 +229,7 @@ def describe_difference(a: list, b: list) -> str:
     return f"{len(sig_a)} tensors vs {len(sig_b)} tensors"
 
 
-def _collective_device(group: dist.ProcessGroup) -> torch.device:
+def collective_device(group: dist.ProcessGroup) -> torch.device:
     """Where small control tensors for ``group`` live: CPU for gloo, else the current CUDA device."""
     if "gloo" not in str(dist.get_backend(group)) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

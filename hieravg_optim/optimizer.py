@@ -3,7 +3,8 @@
 :class:`HierarchicalAveragingOptimizer` wraps any ``torch.optim.Optimizer`` with a
 :class:`~hieravg_optim.HierarchicalAverager` (see :mod:`hieravg_optim.averager`), like
 torch's ``PostLocalSGDOptimizer`` wraps a ``HierarchicalModelAverager``. The averager,
-:class:`~hieravg_optim.LevelMetrics` and :func:`local_tensor` can be imported from here too.
+:class:`~hieravg_optim.LevelMetrics`, :func:`local_tensor` and the state-dict keys are re-exported
+here for their old import path.
 """
 
 from __future__ import annotations
@@ -60,27 +61,12 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     * averages sharded parameters (DTensor local shards, ZeRO partitions, FSDP flat parameters)
       among the ranks that hold the same shard.
 
-    Which tensors are averaged: every parameter in the inner optimizer's ``param_groups`` (each
-    once, in order; a DTensor by its local shard) with ``requires_grad=True`` at that round (unless
-    ``average_frozen``), then the floating-point tensors of ``buffers``. Optimizer state is not
-    averaged, as in torch. The averaged tensors must be the same tensor on every rank of a group, and
-    the ones the next step reads (see :mod:`hieravg_optim.checks`):
-
-    * the parameters are those of ``param_groups`` at construction, plus those added through
-      :meth:`add_param_group`. If ``param_groups`` later holds other tensors (e.g. DeepSpeed took
-      this wrapper as its client optimizer and put its flat ZeRO partitions there), the next round
-      raises instead; ``load_state_dict`` keeps the parameters and is fine;
-    * a DTensor split (``Shard``, ``Partial``) over ranks of this rank's averaging subgroup is a
-      ``TypeError`` at construction: use :mod:`hieravg_optim.fsdp`;
-    * an inner optimizer that keeps fp32 master copies of low-precision parameters and writes the
-      parameters from them (apex / Transformer Engine ``FusedAdam(master_weights=True)``) must be
-      given ``tensors_to_average`` naming the masters; else the first round raises a ``ValueError``.
-
-    Mixed precision: with ``torch.amp.GradScaler``, call ``scaler.step(opt)``. The wrapper sets
-    ``_step_supports_amp_scaling``, so the scaler always calls :meth:`step` with ``grad_scale`` and
-    ``found_inf``: the count advances on every rank, and the inner step runs only where no inf/NaN
-    gradient was found, on gradients unscaled as ``GradScaler.unscale_`` does (an inner optimizer that
-    supports amp scaling itself gets both values and decides). A skipped inner step counts.
+    Which tensors are averaged: each parameter of ``param_groups`` once, in order (a DTensor by its
+    local shard; frozen ones only with ``average_frozen``), then the floating-point ``buffers``; they
+    must be the same tensor on every rank of a group and the ones the next step reads (fp32 masters:
+    ``tensors_to_average``). Under ``torch.amp.GradScaler``, ``scaler.step(opt)`` always calls
+    :meth:`step`, and a skipped inner step counts. The rules, in full:
+    ``docs/semantics.md``, section "What is averaged, and how".
 
     .. warning::
         The constructor is collective over ``process_group`` (it creates the

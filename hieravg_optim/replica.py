@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ._handover import hand_over
-from .agreement import _collective_device, agree_across_ranks, check_agreement, tensor_signature
+from .agreement import collective_device, agree_across_ranks, check_agreement, tensor_signature
 from .averaging import BucketPool, average_tensors_
 from .config import AveragingConfig
 from .faults import CollectiveError, named_collective
@@ -137,7 +137,7 @@ def replica_any(flag: bool, group: dist.ProcessGroup | None) -> bool:
 
 
 def _device(group: dist.ProcessGroup) -> torch.device:
-    return _collective_device(group)
+    return collective_device(group)
 
 
 def _timeout_s(group: dist.ProcessGroup | None) -> float | None:

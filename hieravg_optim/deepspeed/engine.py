@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from ..averager import HierarchicalAverager
 from ..config import AveragingConfig
-from ..inner import repair_skipped_replica_state
 from ..outer import OuterFactory
 from .mpu import ReplicaParallelUnit
 
@@ -291,13 +290,13 @@ class DeepSpeedAveraging:
         Returns:
             The index of the level that averaged, or ``None``.
         """
-        count = self.averager.step
-        index = self.averager.step_and_average(self.tensors_to_average, context=self._frozen_context)
+        opt = self.engine.optimizer
+        # The inner optimizer's state (over the fp32 masters) is repaired by the averager after a skipped
+        # replica's round: its NaN moments would write NaN back at the next step.
+        index = self.averager.step_and_average(
+            self.tensors_to_average, context=self._frozen_context, inner_optimizer=getattr(opt, "optimizer", opt)
+        )
         if index is not None:
-            if self.averager.replaced_at_step == count:
-                # The masters got the finite replicas' mean; NaN moments would write NaN back at the next step.
-                opt = self.engine.optimizer
-                repair_skipped_replica_state(getattr(opt, "optimizer", opt), count)
             self._after_round(index)
         return index
 
