@@ -43,6 +43,11 @@ from .schedule import AveragingLevel
 __all__ = ["GROUP_STEP_KEY", "STATE_KEY", "HierarchicalAverager", "HierarchicalAveragingOptimizer", "LevelMetrics", "local_tensor"]
 
 
+def _compiling() -> bool:
+    """Whether Dynamo is tracing the caller (``torch.compile``)."""
+    return torch.compiler.is_compiling()
+
+
 class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     """Wraps any optimizer and averages the parameters hierarchically after its steps.
 
@@ -318,7 +323,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         .. warning::
             Collective over the averaging subgroup when averaging is due.
         """
-        if closure is None and not self.optimizer.state and called_by_torch_state_init():
+        # Under torch.compile, Dynamo cannot read the frames (sys._getframe); torch's DCP helpers run eagerly.
+        if closure is None and not self.optimizer.state and not _compiling() and called_by_torch_state_init():
             self._initialized_state = initialize_state_step(self.optimizer)
             return None
         args: tuple = (self,) if closure is None else (self, closure)
