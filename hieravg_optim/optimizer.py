@@ -85,7 +85,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     ``_step_supports_amp_scaling``, so the scaler always calls :meth:`step` with ``grad_scale`` and
     ``found_inf``: the count advances on every rank, and the inner step runs only where no inf/NaN
     gradient was found, on gradients unscaled as ``GradScaler.unscale_`` does (an inner optimizer that
-    supports amp scaling itself gets both values and decides). A skipped inner step counts.
+    supports amp scaling itself gets both values and decides). A skipped inner step counts;
+    :attr:`step_was_skipped` tells the training loop (e.g. not to advance its LR scheduler).
 
     .. warning::
         The constructor is collective over ``process_group`` (it creates the
@@ -348,9 +349,9 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         if made is not None:
             drop_initialized_state(self.optimizer, made)
         self.averager.begin_step(self.tensors_to_average)
-        loss = inner_step(
-            self.optimizer, closure, getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        )
+        found_inf = getattr(self, "found_inf", None)
+        loss = inner_step(self.optimizer, closure, getattr(self, "grad_scale", None), found_inf)
+        self._found_inf = found_inf  # read by step_was_skipped, lazily (no device sync here)
         self.averager.step_and_average(
             self.tensors_to_average,
             check=self._round_error,
@@ -358,6 +359,21 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             inner_optimizer=self.optimizer,
         )
         return loss
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last :meth:`step` skipped the inner step on this rank: ``GradScaler`` found inf/NaN gradients.
+
+        The signal to read instead of checking whether ``scaler.step(opt)`` called ``opt.step()`` (what
+        accelerate's ``AcceleratedOptimizer`` and Lightning do): the scaler always calls this wrapper's
+        :meth:`step` (``_step_supports_amp_scaling``), so that check never sees a skip. Read it after
+        ``scaler.step(opt)`` and before the next step, e.g. to not advance an LR scheduler; the count advanced
+        anyway. ``False`` before the first step and for a step without a scaler. Local: ranks may differ (each
+        checks its own gradients) unless their gradients were all-reduced (DDP). Reading it syncs with the
+        device once (``found_inf.item()``).
+        """
+        found_inf = self.__dict__.get("_found_inf")
+        return found_inf is not None and bool(found_inf.item())
 
     def _round_error(self) -> BaseException | None:
         """Local checks of an averaging round, raised on every rank of the subgroup by the round's agreement.
