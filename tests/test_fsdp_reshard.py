@@ -92,8 +92,56 @@ def _reshard(rank: int, world_size: int, folder: str) -> dict:
     }
 
 
-def test_fsdp2_resumes_from_2x1_on_1x2_and_refuses_more_replicas(tmp_path):
-    results = run_distributed(_reshard, WORLD, str(tmp_path), timeout=240)
+def _scheduler_order(folder: str) -> dict:
+    """An LR scheduler built before ``load_checkpoint`` resumes; built after it with ``last_epoch``, it cannot:
+    DCP restores the parameter groups without ``initial_lr`` (docs/fsdp.md, Checkpoints)."""
+    from hieravg_optim.fsdp import init_replicate_shard_mesh, load_checkpoint, save_checkpoint
+
+    mesh = init_replicate_shard_mesh(1, "cpu")
+    model, opt = _build(mesh)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for step in range(2):
+        _train(model, opt, dist.get_rank(), step, step + 1)
+        scheduler.step()
+    save_checkpoint(folder, model, opt)
+    saved = scheduler.state_dict()
+
+    model, opt = _build(mesh)
+    before = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)  # built first, then loaded
+    load_checkpoint(folder, model, opt)
+    before.load_state_dict(saved)
+    lrs = [before.get_last_lr()[0], opt.param_groups[0]["lr"]]
+
+    model, opt = _build(mesh)
+    load_checkpoint(folder, model, opt)
+    try:
+        torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5, last_epoch=saved["last_epoch"])
+        after = None
+    except KeyError as exc:
+        after = str(exc)
+    return {"lrs": lrs, "after": after}
+
+
+def _run(rank: int, world_size: int, folder: str) -> dict:
+    return {
+        "reshard": _reshard(rank, world_size, os.path.join(folder, "reshard")),
+        "scheduler": _scheduler_order(os.path.join(folder, "scheduler")),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    return run_distributed(_run, WORLD, str(tmp_path_factory.mktemp("ckpt")), timeout=240)
+
+
+def test_scheduler_is_built_before_load_checkpoint(results):
+    for r in results:
+        assert r["scheduler"]["lrs"] == [0.0125, 0.0125]  # 0.05 halved twice, restored
+        assert "initial_lr" in r["scheduler"]["after"]
+
+
+def test_fsdp2_resumes_from_2x1_on_1x2_and_refuses_more_replicas(results):
+    results = [r["reshard"] for r in results]
     for rank, r in enumerate(results):
         assert r["replicas_differed"], rank
         assert r["loaded_is_replica_0"], f"rank {rank}: the loaded state is not replica 0's"
