@@ -3,7 +3,8 @@
 Saved on 2 replicas x 1 shard (``replica_0``, ``replica_1``), loaded on 1 replica x 2 shards: the one replica
 reads ``replica_0``, resharded over its 2 ranks, exactly: parameters, Adam's moments and the count. Loaded on
 more replicas than were saved: a ``FileNotFoundError`` naming the missing replica, on every rank (a
-``RuntimeError`` naming it on the others).
+``RuntimeError`` naming it on the others). And an LR scheduler is built before ``load_checkpoint``: built after
+it with ``last_epoch`` set, it raises ``KeyError: 'initial_lr'``.
 """
 
 from __future__ import annotations
