@@ -23,6 +23,7 @@ from .checks import (
     master_copy_error,
     own_subgroups,
     rebound_param_error,
+    state_shape_error,
     unique_params,
 )
 from .comm_dtype import CommDtype
@@ -475,13 +476,19 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: if the state dict has no count and ``averaging_step`` is ``None``, the
                 parameter groups disagree on it, it is not a non-negative integer, or it differs from
-                ``averaging_step``; or whatever the inner optimizer raises. Nothing is changed then.
+                ``averaging_step``; if it was saved for parameters of other shapes, naming the first
+                state tensor and both shapes (torch's optimizers; see
+                :func:`hieravg_optim.checks.state_shape_error`); or whatever the inner optimizer raises.
+                Nothing is changed then. Every rank that loads such a state dict raises, before any collective.
         """
         for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
         inner, averaging_state, where = split_count(state_dict, averaging_step)
+        shape_error = state_shape_error(self.optimizer, inner)  # torch checks only the numbers of parameters
+        if shape_error is not None:
+            raise shape_error
         # The averaging state is checked first, and restored if the inner optimizer rejects its part:
         # a rejected state dict changes neither the inner optimizer nor the count; the anchors and outer
         # optimizer state are checked first and loaded last.
