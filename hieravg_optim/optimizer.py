@@ -486,9 +486,6 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         inner, averaging_state, where = split_count(state_dict, averaging_step)
-        shape_error = state_shape_error(self.optimizer, inner)  # torch checks only the numbers of parameters
-        if shape_error is not None:
-            raise shape_error
         # The averaging state is checked first, and restored if the inner optimizer rejects its part:
         # a rejected state dict changes neither the inner optimizer nor the count; the anchors and outer
         # optimizer state are checked first and loaded last.
@@ -497,6 +494,9 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         outer = self.averager.check_outer_state(
             averaging_state, self.tensors_to_average() if self._tensors_fn is None else None
         )
+        shape_error = state_shape_error(self.optimizer, inner)  # torch checks only the numbers of parameters
+        if shape_error is not None:
+            raise shape_error
         with self.averager.restoring_count_on_error():
             self.averager.load_step_state(averaging_state)
             if averaging_step is not None and averaging_step != self.averager.step:
