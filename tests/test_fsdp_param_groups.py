@@ -31,7 +31,11 @@ def _model(config: str, mesh) -> nn.Module:
     if config == "fsdp2":
         return shard_replica(model, mesh, fsdp_version=2, submodules=list(model))
     return shard_replica(
-        model, mesh, fsdp_version=1, use_orig_params=config == "fsdp1_orig", auto_wrap_policy=ModuleWrapPolicy({nn.Linear})
+        model,
+        mesh,
+        fsdp_version=1,
+        use_orig_params=config == "fsdp1_orig",
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
     )
 
 
@@ -109,5 +113,6 @@ def test_parameter_fsdp_does_not_manage_is_refused(results, config):
 def test_outer_optimizer_names_the_added_tensors(results):
     for r in results:
         kind, message = r["outer"]
-        assert kind == "RuntimeError" and "differ from the level's anchors: 2 tensors to average, but 1 anchors" in message, message
+        assert kind == "RuntimeError", message
+        assert "differ from the level's anchors: 2 tensors to average, but 1 anchors" in message, message
         assert "take the anchors again" in message

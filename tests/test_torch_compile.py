@@ -83,7 +83,8 @@ def _run(rank: int, world_size: int) -> dict:
     assert world_size == WORLD
     torch.manual_seed(0)
     out = {}
-    for name, fn in {"eager": _eager, "compiled_step": _compiled_step, "compiled_train_step": _compiled_train_step}.items():
+    forms = {"eager": _eager, "compiled_step": _compiled_step, "compiled_train_step": _compiled_train_step}
+    for name, fn in forms.items():
         torch._dynamo.reset()
         out[name] = fn(rank)
     return out
