@@ -12,7 +12,8 @@ copy the inner optimizer writes it from). These functions find the cases where i
   optimizer);
 * :func:`master_copy` / :func:`master_copy_error`: an fp32 state tensor equal to a
   float16 / bfloat16 parameter after the step (apex / Transformer Engine ``FusedAdam`` with
-  ``master_weights=True``).
+  ``master_weights=True``);
+* :func:`state_shape_error`: an optimizer state dict saved for parameters of other shapes.
 
 None of them runs a collective: the wrapper raises their errors on every rank of the
 subgroup through :func:`hieravg_optim.agreement.check_agreement`.
@@ -39,6 +40,7 @@ __all__ = [
     "master_copy",
     "master_copy_error",
     "own_subgroups",
+    "state_shape_error",
     "rebound_param_error",
     "unique_params",
 ]
@@ -241,3 +243,37 @@ def master_copy_error(optimizer: torch.optim.Optimizer, owner: str) -> ValueErro
         f"[inner.state[p][{key!r}] for p in params]) to {owner}. (If that state "
         "tensor is not a master weight, pass tensors_to_average returning the parameters.)"
     )
+
+
+def state_shape_error(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> ValueError | None:
+    """Why ``state_dict`` (an inner optimizer state dict) was saved for parameters of other shapes, or ``None``.
+
+    ``torch.optim.Optimizer.load_state_dict`` checks only the number of parameters per group, so a state dict of
+    another model (a layer resized) loads, and the next step fails inside the optimizer. Checked here, for torch's
+    own optimizers (``torch.optim``, not ``LBFGS``, whose state is one flat vector): every state tensor that is
+    not a scalar must broadcast to its parameter's shape (equal for Adam's moments or a momentum buffer;
+    Adafactor's factors broadcast). Other optimizers keep state of their own shapes (quantisation tables, blocks)
+    and are not checked. Local, no collective; changes nothing.
+    """
+    if type(optimizer).__module__.split(".")[:2] != ["torch", "optim"] or isinstance(optimizer, torch.optim.LBFGS):
+        return None
+    saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(saved_groups, Sequence) or not isinstance(state, Mapping):
+        return None  # torch's load_state_dict names a malformed state dict
+    for g, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        for i, (key, p) in enumerate(zip(saved.get("params", ()), group["params"])):
+            for name, value in (state.get(key) or {}).items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape == p.shape:
+                    continue
+                try:
+                    fits = torch.broadcast_shapes(value.shape, p.shape) == p.shape
+                except RuntimeError:
+                    fits = False
+                if not fits:
+                    return ValueError(
+                        f"The optimizer state dict was saved for parameters of other shapes: state {name!r} of "
+                        f"parameter {i} of param_groups[{g}] (key {key!r}) has shape {tuple(value.shape)}, the "
+                        f"parameter {tuple(p.shape)}. Load the state dict of the same model (same layer sizes), or "
+                        "leave the optimizer state out to start it afresh."
+                    )
+    return None

@@ -24,6 +24,7 @@ from .checks import (
     master_copy_error,
     own_subgroups,
     rebound_param_error,
+    state_shape_error,
     unique_params,
 )
 from .comm_dtype import CommDtype
@@ -42,6 +43,11 @@ from .outer import OuterFactory
 from .schedule import AveragingLevel
 
 __all__ = ["GROUP_STEP_KEY", "STATE_KEY", "HierarchicalAverager", "HierarchicalAveragingOptimizer", "LevelMetrics", "local_tensor"]
+
+
+def _compiling() -> bool:
+    """Whether Dynamo is tracing the caller (``torch.compile``)."""
+    return torch.compiler.is_compiling()
 
 
 class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
@@ -65,7 +71,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     local shard; frozen ones only with ``average_frozen``), then the floating-point ``buffers``; they
     must be the same tensor on every rank of a group and the ones the next step reads (fp32 masters:
     ``tensors_to_average``). Under ``torch.amp.GradScaler``, ``scaler.step(opt)`` always calls
-    :meth:`step`, and a skipped inner step counts. The rules, in full:
+    :meth:`step`, and a skipped inner step counts (:attr:`step_was_skipped` tells the training loop,
+    e.g. not to advance its LR scheduler). The rules, in full:
     ``docs/semantics.md``, section "What is averaged, and how".
 
     .. warning::
@@ -304,7 +311,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         .. warning::
             Collective over the averaging subgroup when averaging is due.
         """
-        if closure is None and not self.optimizer.state and called_by_torch_state_init():
+        # Under torch.compile, Dynamo cannot read the frames (sys._getframe); torch's DCP helpers run eagerly.
+        if closure is None and not self.optimizer.state and not _compiling() and called_by_torch_state_init():
             self._initialized_state = initialize_state_step(self.optimizer)
             return None
         args: tuple = (self,) if closure is None else (self, closure)
@@ -328,9 +336,9 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         if made is not None:
             drop_initialized_state(self.optimizer, made)
         self.averager.begin_step(self.tensors_to_average)
-        loss = inner_step(
-            self.optimizer, closure, getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        )
+        found_inf = getattr(self, "found_inf", None)
+        loss = inner_step(self.optimizer, closure, getattr(self, "grad_scale", None), found_inf)
+        self._found_inf = found_inf  # read by step_was_skipped, lazily (no device sync here)
         self.averager.step_and_average(
             self.tensors_to_average,
             check=self._round_error,
@@ -338,6 +346,21 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             inner_optimizer=self.optimizer,
         )
         return loss
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last :meth:`step` skipped the inner step on this rank: ``GradScaler`` found inf/NaN gradients.
+
+        The signal to read instead of checking whether ``scaler.step(opt)`` called ``opt.step()`` (what
+        accelerate's ``AcceleratedOptimizer`` and Lightning do): the scaler always calls this wrapper's
+        :meth:`step` (``_step_supports_amp_scaling``), so that check never sees a skip. Read it after
+        ``scaler.step(opt)`` and before the next step, e.g. to not advance an LR scheduler; the count advanced
+        anyway. ``False`` before the first step and for a step without a scaler. Local: ranks may differ (each
+        checks its own gradients) unless their gradients were all-reduced (DDP). Reading it syncs with the
+        device once (``found_inf.item()``).
+        """
+        found_inf = self.__dict__.get("_found_inf")
+        return found_inf is not None and bool(found_inf.item())
 
     def _round_error(self) -> BaseException | None:
         """Local checks of an averaging round, raised on every rank of the subgroup by the round's agreement.
@@ -439,7 +462,10 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: if the state dict has no count and ``averaging_step`` is ``None``, the
                 parameter groups disagree on it, it is not a non-negative integer, or it differs from
-                ``averaging_step``; or whatever the inner optimizer raises. Nothing is changed then.
+                ``averaging_step``; if it was saved for parameters of other shapes, naming the first
+                state tensor and both shapes (torch's optimizers; see
+                :func:`hieravg_optim.checks.state_shape_error`); or whatever the inner optimizer raises.
+                Nothing is changed then. Every rank that loads such a state dict raises, before any collective.
         """
         for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
             result = pre_hook(self, state_dict)
@@ -454,6 +480,9 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         outer = self.averager.check_outer_state(
             averaging_state, self.tensors_to_average() if self._tensors_fn is None else None
         )
+        shape_error = state_shape_error(self.optimizer, inner)  # torch checks only the numbers of parameters
+        if shape_error is not None:
+            raise shape_error
         with self.averager.restoring_count_on_error():
             self.averager.load_step_state(averaging_state)
             if averaging_step is not None and averaging_step != self.averager.step:

@@ -322,6 +322,34 @@ def _scenario_optimizer_protocol(rank: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
+def _scenario_state_shapes(rank: int) -> dict:
+    """A state dict saved for other-shaped parameters (no outer optimizer): a ValueError at load naming the
+    mismatch, nothing changed; Adafactor's factored state (shapes that broadcast) still loads."""
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    model = _net()
+    opt = _wrap(model)
+    _train(model, opt, rank, 0, 3)
+    saved = _roundtrip(opt.state_dict())
+
+    torch.manual_seed(0)
+    other = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))  # a hidden layer resized: 6 -> 5
+    other_opt = _wrap(other)
+    with pytest.raises(ValueError) as caught:
+        other_opt.load_state_dict(saved)
+    assert other_opt.averaging_step == 0 and not other_opt.optimizer.state  # nothing changed
+    _train(other, other_opt, rank, 0, 1)  # and it steps on, fresh
+
+    fmodel = _net()
+    factored = HierarchicalAveragingOptimizer(torch.optim.Adafactor(fmodel.parameters(), lr=0.01), LEVELS)
+    _train(fmodel, factored, rank, 0, 1)
+    state = _roundtrip(factored.state_dict())
+    assert any(v.shape != p.shape for p in fmodel.parameters() for v in factored.state[p].values() if v.dim())
+    factored.load_state_dict(state)
+    return {"message": str(caught.value)}
+
+
+# --------------------------------------------------------------------------------------------------
 SCENARIOS = {
     "state_dict_roundtrip": _scenario_state_dict_roundtrip,
     "torch_checkpoints": _scenario_torch_checkpoints,
@@ -329,6 +357,7 @@ SCENARIOS = {
     "closures": _scenario_closures,
     "param_groups": _scenario_param_groups,
     "optimizer_protocol": _scenario_optimizer_protocol,
+    "state_shapes": _scenario_state_shapes,
     "asymmetric_resume": _scenario_asymmetric_resume,  # last: leaves its optimizer unusable
 }
 
@@ -368,6 +397,15 @@ def test_closures(results):
 
 def test_param_groups_reach_the_inner_optimizer(results):
     assert all(r["param_groups"] == {} for r in results)
+
+
+def test_state_dict_of_other_shapes_is_refused_at_load(results):
+    for r in results:
+        assert r["state_shapes"]["message"] == (
+            "The optimizer state dict was saved for parameters of other shapes: state 'exp_avg' of parameter 0 of "
+            "param_groups[0] (key 0) has shape (6, 4), the parameter (5, 4). Load the state dict of the same model "
+            "(same layer sizes), or leave the optimizer state out to start it afresh."
+        )
 
 
 def test_optimizer_protocol(results):

@@ -144,7 +144,10 @@ def save_checkpoint(
 def load_checkpoint(
     path: str | os.PathLike, module: nn.Module, optimizer: FSDPHierarchicalAveragingOptimizer
 ) -> None:
-    """Load what :func:`save_checkpoint` wrote, in place, with the same mesh shape and FSDP wrapping.
+    """Load what :func:`save_checkpoint` wrote, in place, with the same FSDP wrapping.
+
+    Replica ``r`` loads ``path/replica_<r>``: as many replicas as were saved, or fewer. FSDP2 may change the
+    shards per replica (DCP reshards, exactly; not with outer optimizers); FSDP1 keeps them (``docs/fsdp.md``).
 
     The next :meth:`~FSDPHierarchicalAveragingOptimizer.step` checks that every rank resumed at the same count.
     The outer optimizers' anchors and state are restored as the checkpoint holds them (read from its

@@ -196,6 +196,36 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         frozen = [i for i, flat in enumerate(self._flat_params) if not self._trainable(flat)]
         return {"skipped frozen FSDP flat parameters (requires_grad=False, index)": frozen}
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the inner optimizer (progressive unfreezing); its parameters are averaged from then on.
+
+        The new parameters are checked as at construction (managed by FSDP, sharded over this rank's mesh row, of
+        the module's FSDP version); FSDP1's flat parameters to average are then found again, so a flat parameter
+        of another FSDP unit (a backbone unfrozen later) is averaged too. Every rank must add the same group.
+
+        Raises:
+            ValueError, TypeError, NotImplementedError: as the constructor, for a parameter FSDP does not manage
+                or shards otherwise, naming it; the group is then not added. On every rank that adds it (the same
+                group on every rank gives the same error), before any collective.
+        """
+        params = param_group.get("params") if isinstance(param_group, Mapping) else None
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif params is not None and not isinstance(params, (set, Mapping)):
+            params = list(params)  # an iterator is read once, here and by the inner optimizer alike
+            param_group = {**param_group, "params": params}
+        if params is not None:
+            candidate = _Groups([*self.optimizer.param_groups, {"params": params}])
+            version, flats, members = _validate_module(self.module, candidate, self.mesh)
+            if version != self._fsdp_version:
+                raise NotImplementedError(
+                    f"add_param_group adds FSDP{version} parameters to an optimizer of FSDP{self._fsdp_version} ones: "
+                    "shard the module with one FSDP version."
+                )
+        super().add_param_group(param_group)  # torch's own checks of the group (a set, duplicates) first
+        if params is not None:
+            self._flat_params, self._flat_members = flats, members
+
     def _trainable(self, flat: nn.Parameter) -> bool:
         """Whether any optimizer parameter held by FSDP1 flat parameter ``flat`` has ``requires_grad``."""
         return any(p.requires_grad for p in self._flat_members[id(flat)])
@@ -239,6 +269,12 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             for _, _, p in unique_params(self.optimizer.param_groups)
             if self.average_frozen or p.requires_grad
         ]
+
+
+class _Groups(NamedTuple):
+    """Parameter groups to check with :func:`_validate_module` before they reach the inner optimizer."""
+
+    param_groups: list[dict[str, Any]]
 
 
 def _local_flat_shard(flat: nn.Parameter) -> torch.Tensor:
