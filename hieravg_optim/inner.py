@@ -38,6 +38,7 @@ __all__ = [
     "initialize_state_step",
     "inner_step",
     "pop_group_step",
+    "run_step_hooks",
     "split_count",
     "unscale_grads",
     "repair_skipped_replica_state",
@@ -181,3 +182,21 @@ def drop_initialized_state(inner: torch.optim.Optimizer, made: InitializedState)
     if inner.state is container:
         for p in [p for p, entry in container.items() if entries.get(id(p)) is entry]:
             del container[p]
+
+
+def run_step_hooks(optimizer: torch.optim.Optimizer, step: Callable[..., Any], closure: Callable[[], float] | None):
+    """``step(closure)`` between ``optimizer``'s own step pre- and post-hooks, as ``torch.optim.Optimizer`` runs
+    them (a pre-hook may return new ``(args, kwargs)``); returns what ``step`` returns."""
+    args: tuple = (optimizer,) if closure is None else (optimizer, closure)
+    kwargs: dict[str, Any] = {}
+    for pre_hook in list(optimizer._optimizer_step_pre_hooks.values()):
+        result = pre_hook(optimizer, args, kwargs)
+        if result is not None:
+            if isinstance(result, tuple) and len(result) == 2:
+                args, kwargs = result
+            else:
+                raise RuntimeError(f"A step pre-hook must return None or a tuple (new_args, new_kwargs), got {result!r}.")
+    loss = step(*args[1:], **kwargs)
+    for post_hook in list(optimizer._optimizer_step_post_hooks.values()):
+        post_hook(optimizer, args, kwargs)
+    return loss

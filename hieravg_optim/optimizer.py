@@ -37,17 +37,13 @@ from .inner import (
     initialize_state,
     initialize_state_step,
     inner_step,
+    run_step_hooks,
     split_count,
 )
 from .outer import OuterFactory
 from .schedule import AveragingLevel
 
 __all__ = ["GROUP_STEP_KEY", "STATE_KEY", "HierarchicalAverager", "HierarchicalAveragingOptimizer", "LevelMetrics", "local_tensor"]
-
-
-def _compiling() -> bool:
-    """Whether Dynamo is tracing the caller (``torch.compile``)."""
-    return torch.compiler.is_compiling()
 
 
 class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
@@ -312,24 +308,10 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             Collective over the averaging subgroup when averaging is due.
         """
         # Under torch.compile, Dynamo cannot read the frames (sys._getframe); torch's DCP helpers run eagerly.
-        if closure is None and not self.optimizer.state and not _compiling() and called_by_torch_state_init():
+        if closure is None and not self.optimizer.state and not torch.compiler.is_compiling() and called_by_torch_state_init():
             self._initialized_state = initialize_state_step(self.optimizer)
             return None
-        args: tuple = (self,) if closure is None else (self, closure)
-        kwargs: dict[str, Any] = {}
-        for pre_hook in list(self._optimizer_step_pre_hooks.values()):
-            result = pre_hook(self, args, kwargs)
-            if result is not None:
-                if isinstance(result, tuple) and len(result) == 2:
-                    args, kwargs = result
-                else:
-                    raise RuntimeError(
-                        f"A step pre-hook must return None or a tuple (new_args, new_kwargs), got {result!r}."
-                    )
-        loss = self._step(*args[1:], **kwargs)
-        for post_hook in list(self._optimizer_step_post_hooks.values()):
-            post_hook(self, args, kwargs)
-        return loss
+        return run_step_hooks(self, self._step, closure)
 
     def _step(self, closure: Callable[[], float] | None = None):
         made = self.__dict__.pop("_initialized_state", None)
@@ -351,13 +333,9 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
     def step_was_skipped(self) -> bool:
         """Whether the last :meth:`step` skipped the inner step on this rank: ``GradScaler`` found inf/NaN gradients.
 
-        The signal to read instead of checking whether ``scaler.step(opt)`` called ``opt.step()`` (what
-        accelerate's ``AcceleratedOptimizer`` and Lightning do): the scaler always calls this wrapper's
-        :meth:`step` (``_step_supports_amp_scaling``), so that check never sees a skip. Read it after
-        ``scaler.step(opt)`` and before the next step, e.g. to not advance an LR scheduler; the count advanced
-        anyway. ``False`` before the first step and for a step without a scaler. Local: ranks may differ (each
-        checks its own gradients) unless their gradients were all-reduced (DDP). Reading it syncs with the
-        device once (``found_inf.item()``).
+        Read it after ``scaler.step(opt)``, e.g. to not advance an LR scheduler: the scaler always calls this
+        wrapper's :meth:`step`, so checking whether it was called (accelerate, Lightning) never sees a skip. The
+        count advanced anyway. Local; ``False`` without a scaler. Syncs with the device once (``.item()``).
         """
         found_inf = self.__dict__.get("_found_inf")
         return found_inf is not None and bool(found_inf.item())

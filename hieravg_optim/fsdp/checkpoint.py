@@ -33,7 +33,8 @@ from .._compat import DTensor, Shard
 from ..agreement import agree_across_ranks
 from ..replica import replica_dir
 from .mesh import SHARD_DIM
-from .optimizer import FSDPHierarchicalAveragingOptimizer, ShardLayout, optimizer_params
+from ..tensors import unique_params
+from .optimizer import FSDPHierarchicalAveragingOptimizer, ShardLayout
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -43,7 +44,7 @@ def _replica_folder(path: str | os.PathLike, optimizer: FSDPHierarchicalAveragin
 
 
 def _optimizer_holds_flat_params(optimizer: FSDPHierarchicalAveragingOptimizer) -> bool:
-    return any(isinstance(p, FlatParameter) for p in optimizer_params(optimizer.optimizer))
+    return any(isinstance(p, FlatParameter) for _, _, p in unique_params(optimizer.optimizer.param_groups))
 
 
 def _checkpoint_state(

@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import logging
 from dataclasses import fields
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from .._compat import DTensor, Placement, Replicate, Shard, fsdp2_param_groups
+from .._compat import Placement, Shard
 from ..agreement import raise_on_every_rank
 from ..config import AveragingConfig
 from ..tensors import local_tensor, unique_params
 from ..optimizer import HierarchicalAveragingOptimizer
 from ..schedule import AveragingLevel
-from .mesh import HSDP_FIX, REPLICATE_DIM, SHARD_DIM, check_fsdp1_strategy, check_replicate_shard_mesh
+from .layout import ParamGroups, fsdp1_units, local_flat_shard, validate_module
+from .mesh import REPLICATE_DIM, SHARD_DIM, check_replicate_shard_mesh
 
-__all__ = ["FSDPHierarchicalAveragingOptimizer", "ShardLayout", "optimizer_params"]
+__all__ = ["FSDPHierarchicalAveragingOptimizer", "ShardLayout"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +35,6 @@ _SETTINGS = frozenset(f.name for f in fields(AveragingConfig) if f.init) - {"lev
 """The settings forwarded through ``**settings``: every field of the config but the levels and the mesh's."""
 
 
-def _fsdp1_units(module: nn.Module) -> list[FSDP]:
-    """FSDP1 instances that own a flat parameter, in module order (the same on every rank)."""
-    return [m for m in FSDP.fsdp_modules(module) if getattr(m, "_handle", None) is not None]
-
-
-def _row_ranks(mesh: DeviceMesh) -> list[int]:
-    return [int(r) for r in mesh[SHARD_DIM].mesh.flatten().tolist()]
 
 
 class ShardLayout(NamedTuple):
@@ -142,7 +135,7 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             raise RuntimeError("torch.distributed is not initialized: call init_process_group() first.")
         try:
             _, shards = check_replicate_shard_mesh(mesh)
-            self._fsdp_version, self._flat_params, self._flat_members = _validate_module(module, optimizer, mesh)
+            self._fsdp_version, self._flat_params, self._flat_members = validate_module(module, optimizer, mesh)
         except (TypeError, ValueError, NotImplementedError) as exc:
             # Raised here; the other ranks raise a RuntimeError naming this rank in the agreement of the
             # averager they are about to build (the constructor's one agreement collective).
@@ -164,7 +157,7 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
                 self._fsdp_version,
                 self.averager.world_size // shards,
                 shards,
-                sum(1 for _ in optimizer_params(optimizer)),
+                len(unique_params(optimizer.param_groups)),
             )
 
     def _sync_replicas_at_construction(self) -> None:
@@ -185,7 +178,7 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
     def _module_shards(self) -> list[torch.Tensor]:
         """This rank's local shards of every parameter of the module, frozen ones included, in order."""
         if self._fsdp_version == 1:
-            return [_local_flat_shard(u._handle.flat_param) for u in _fsdp1_units(self.module)]
+            return [local_flat_shard(u._handle.flat_param) for u in fsdp1_units(self.module)]
         return [local_tensor(p) for p in self.module.parameters()]
 
     def _frozen_context(self) -> dict[str, object]:
@@ -215,8 +208,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             params = list(params)  # an iterator is read once, here and by the inner optimizer alike
             param_group = {**param_group, "params": params}
         if params is not None:
-            candidate = _Groups([*self.optimizer.param_groups, {"params": params}])
-            version, flats, members = _validate_module(self.module, candidate, self.mesh)
+            candidate = ParamGroups([*self.optimizer.param_groups, {"params": params}])
+            version, flats, members = validate_module(self.module, candidate, self.mesh)
             if version != self._fsdp_version:
                 raise NotImplementedError(
                     f"add_param_group adds FSDP{version} parameters to an optimizer of FSDP{self._fsdp_version} ones: "
@@ -245,7 +238,7 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         if self._fsdp_version == 2:
             return super().tensors_to_average()
         return [
-            _local_flat_shard(flat)
+            local_flat_shard(flat)
             for flat in self._flat_params
             if self.average_frozen or self._trainable(flat)
         ]
@@ -269,152 +262,3 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             for _, _, p in unique_params(self.optimizer.param_groups)
             if self.average_frozen or p.requires_grad
         ]
-
-
-class _Groups(NamedTuple):
-    """Parameter groups to check with :func:`_validate_module` before they reach the inner optimizer."""
-
-    param_groups: list[dict[str, Any]]
-
-
-def _local_flat_shard(flat: nn.Parameter) -> torch.Tensor:
-    """The local shard of an FSDP1 flat parameter, detached (its own storage).
-
-    Raises:
-        RuntimeError: if the flat parameter is not sharded now (inside forward or ``summon_full_params``).
-    """
-    # Before FSDP's lazy initialisation (first forward) there is no _local_shard yet: the flat
-    # parameter then is the local shard itself.
-    local = getattr(flat, "_local_shard", None)
-    if local is not None and flat.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
-        raise RuntimeError(
-            "An FSDP flat parameter is not in its sharded state: call step() after backward(), outside "
-            "forward and summon_full_params(), so that the local fp32 shards are averaged."
-        )
-    return flat.detach()
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
-    """The parameters of ``optimizer``'s ``param_groups``, each once, in order."""
-    seen: set[int] = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                yield p
-
-
-def _validate_module(
-    module: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh
-) -> tuple[int, list[nn.Parameter], dict[int, list[nn.Parameter]]]:
-    """Check how ``module`` is sharded.
-
-    Returns:
-        The FSDP version and, for FSDP1, the flat parameters to average and, by ``id`` of each, the
-        optimizer parameters it holds (itself with ``use_orig_params=False``).
-    """
-    if not hasattr(optimizer, "param_groups"):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-    row = _row_ranks(mesh)
-    units = _fsdp1_units(module) if isinstance(module, nn.Module) else []
-    params = list(optimizer_params(optimizer))
-    dtensor_params = [p for p in params if isinstance(p, DTensor)]
-    if units:
-        if dtensor_params:
-            raise NotImplementedError(
-                "module mixes FSDP1 and FSDP2 (DTensor) parameters; shard it with one FSDP version."
-            )
-        owner: dict[int, nn.Parameter] = {}
-        for unit in units:
-            check_fsdp1_strategy(unit.sharding_strategy, "FSDPHierarchicalAveragingOptimizer")
-            unit_ranks = dist.get_process_group_ranks(unit.process_group)
-            if unit_ranks != row:
-                raise ValueError(
-                    f"An FSDP unit shards over ranks {unit_ranks}, but this rank's replica (mesh row) is {row}. "
-                    + HSDP_FIX
-                )
-            flat = unit._handle.flat_param
-            owner[id(flat)] = flat
-            for orig in getattr(flat, "_params", None) or ():
-                owner[id(orig)] = flat
-        chosen: dict[int, list[nn.Parameter]] = {}
-        for p in params:
-            flat = owner.get(id(p))
-            if flat is None:
-                raise ValueError(
-                    f"An optimizer parameter of shape {tuple(p.shape)} is not managed by FSDP: its gradients are not "
-                    "reduced within the replica. Wrap the whole module with FSDP (shard_replica) and build the "
-                    "optimizer from the wrapped module's parameters()."
-                )
-            chosen.setdefault(id(flat), []).append(p)
-        flats = [u._handle.flat_param for u in units if id(u._handle.flat_param) in chosen]
-        return 1, flats, chosen
-    _check_no_unsharded_fsdp2_params(module, params)
-    if not dtensor_params:
-        raise TypeError(
-            f"{type(module).__name__} is not sharded with FSDP (no FlatParameter, no DTensor parameter): shard it "
-            "with hieravg_optim.fsdp.shard_replica(module, mesh), or use hieravg_optim.HierarchicalAveragingOptimizer "
-            "for unsharded replicas."
-        )
-    for p in params:
-        if not isinstance(p, DTensor):
-            raise ValueError(
-                f"An optimizer parameter of shape {tuple(p.shape)} is a plain tensor, not an FSDP2 DTensor: its "
-                "gradients are not reduced within the replica. fully_shard the module owning it over mesh['shard']."
-            )
-        dmesh = p.device_mesh
-        if any(isinstance(pl, Replicate) for pl in p.placements):
-            raise ValueError(
-                f"A DTensor parameter of shape {tuple(p.shape)} has placements {tuple(p.placements)} on a "
-                f"{dmesh.ndim}-D mesh {dmesh.mesh.tolist()}: fully_shard with a 2-D mesh is HSDP. {HSDP_FIX}"
-            )
-        if dmesh.ndim != 1:
-            raise NotImplementedError(
-                f"A DTensor parameter of shape {tuple(p.shape)} lives on a {dmesh.ndim}-D mesh with placements "
-                f"{tuple(p.placements)} (FSDP combined with tensor parallelism?): only FSDP2 over mesh['shard'] is "
-                "supported; average such models with HierarchicalAverager on the local shards yourself."
-            )
-        p_ranks = [int(r) for r in dmesh.mesh.flatten().tolist()]
-        if p_ranks != row:
-            raise ValueError(
-                f"A DTensor parameter of shape {tuple(p.shape)} is sharded over ranks {p_ranks}, but this rank's "
-                f"replica (mesh row) is {row}. {HSDP_FIX}"
-            )
-    return 2, [], {}
-
-
-def _check_no_unsharded_fsdp2_params(module: nn.Module, params: list[torch.Tensor]) -> None:
-    """A ``TypeError`` if an optimizer parameter is the unsharded copy of an FSDP2 parameter.
-
-    FSDP2 registers a module's unsharded parameters (plain tensors) in place of its sharded
-    DTensor parameters from its all-gather in forward until it reshards. A module that does not
-    reshard after forward (the root, whose ``reshard_after_forward`` defaults to False) keeps them
-    registered until the backward has run, so ``module.parameters()`` taken right after a forward
-    are the unsharded copies (https://github.com/pytorch/pytorch/issues/149205). An optimizer over
-    them updates a temporary copy: plain torch then trains nothing. Replacing them by the sharded
-    parameters behind the optimizer's back would leave its state, and any scheduler or user
-    reference, on the copies, so this raises instead.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    copies: dict[int, str] = {}
-    for name, sub in module.named_modules():
-        if not isinstance(sub, FSDPModule):
-            continue
-        state = sub._get_fsdp_state()
-        for group in fsdp2_param_groups(state):
-            for fsdp_param in group.fsdp_params:
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None:
-                    copies[id(unsharded)] = getattr(fsdp_param, "_param_fqn", None) or f"a parameter of {name or 'the root'}"
-    for i, p in enumerate(params):
-        fqn = copies.get(id(p))
-        if fqn is not None:
-            raise TypeError(
-                f"Optimizer parameter {i} (shape {tuple(p.shape)}) is the unsharded copy of the FSDP2 parameter "
-                f"{fqn!r}, not the sharded DTensor parameter: the optimizer was built after a forward, which left "
-                "the parameters of a module that does not reshard after forward (the root module by default) "
-                "unsharded (torch issue 149205); the optimizer would update a temporary copy. Build the optimizer "
-                "before the first forward, or call module.reshard() (FSDPModule.reshard) on that module before "
-                "taking module.parameters()."
-            )
