@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
@@ -123,6 +124,22 @@ def _outer_state_device(value: object) -> torch.device | None:
         except RuntimeError:
             json = _DEVICE_JSON
         raise setting_error("outer_state_device", value, json=json, message=str(exc)) from None
+
+
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each factory's probe result per ``(period, group size)``: a config rebuilt with other settings
+(``dataclasses.replace``, :meth:`AveragingConfig.updated`, DeepSpeed's resolved ``ranks_per_replica``)
+probes no factory twice."""
+
+
+def _probe_once(period: int, factory: OuterFactory, group_size: int) -> object:
+    try:
+        seen = _PROBED.setdefault(factory, {})
+    except TypeError:  # a factory that cannot be referenced weakly is probed each time
+        return probe_factory(period, factory, group_size)
+    if (period, group_size) not in seen:
+        seen[(period, group_size)] = probe_factory(period, factory, group_size)
+    return seen[(period, group_size)]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -254,7 +271,7 @@ class AveragingConfig:
         outer = check_outer_optimizers(self.outer_optimizers, self.levels)
         sizes = {lv.period: lv.group_size for lv in self.levels}
         object.__setattr__(self, "outer_optimizers", outer)
-        object.__setattr__(self, "_outer_kinds", {p: probe_factory(p, f, sizes[p]) for p, f in outer.items()})
+        object.__setattr__(self, "_outer_kinds", {p: _probe_once(p, f, sizes[p]) for p, f in outer.items()})
 
     @classmethod
     def create(
