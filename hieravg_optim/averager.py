@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import replica
+from ._compat import eager_under_compile
 from .agreement import agree_across_ranks, raise_on_every_rank
 from .anchors import TAKE_ANCHORS, OuterAnchorsMixin, OuterLevels
 from .averaging import BucketPool
@@ -40,7 +41,7 @@ __all__ = [
 # (metrics), check_log_metrics_every (config), local_tensor (tensors).
 
 
-# The step driver's methods are torch.compiler.disable'd: under torch.compile (a compiled function calling
+# The step driver's methods are eager under compile (_compat.eager_under_compile): under torch.compile (a compiled function calling
 # optimizer.step()), Dynamo graph-breaks there and the count, the schedule and the collectives run eagerly,
 # never traced (a process group is an opaque object to Dynamo).
 
@@ -182,7 +183,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             return len(self.config.levels) - 1
         return level_at(self.step, self.config.levels, self.config.warmup_steps)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def begin_step(self, tensors: Callable[[], Sequence[torch.Tensor]]) -> None:
         """Before the inner step of a wrapper: the checks of the first step after construction or a load.
 
@@ -205,7 +206,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         elif first and self.has_outer:
             self._outers.agree_taken(self.process_group)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def step_and_average(
         self,
         tensors: Callable[[], Sequence[torch.Tensor]],
@@ -265,7 +266,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             repair_skipped_replica_state(inner_optimizer, count)
         return index
 
-    @torch.compiler.disable
+    @eager_under_compile
     def average(
         self,
         level_index: int,
@@ -332,7 +333,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             self.replaced_at_step = self.step
         return replaced
 
-    @torch.compiler.disable
+    @eager_under_compile
     def broadcast_from_first_replica(
         self, tensors: Sequence[torch.Tensor], whole: Sequence[torch.Tensor] = ()
     ) -> None:
@@ -355,7 +356,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             timeout_s=timeout_seconds(self.config, top.group),
         )  # fmt: skip
 
-    @torch.compiler.disable
+    @eager_under_compile
     def average_within_replica(self, tensors: Sequence[torch.Tensor], level_index: int = -1) -> None:
         """Average ``tensors``, held whole by every rank (buffers), over this rank's replica, after a round.
 
@@ -376,7 +377,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             pool=self.pool,
         )  # fmt: skip
 
-    @torch.compiler.disable
+    @eager_under_compile
     def verify_step_if_loaded(self) -> None:
         """After a load, check once that every rank resumed at the same count (collective over the group)."""
         if self._verify_step_pending:
