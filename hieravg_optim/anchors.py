@@ -180,16 +180,14 @@ class OuterLevels:
             OuterLevel(lv.period, factories[lv.period], device, lv.group_size) if lv.period in factories else None
             for lv in levels
         ]
+        self.has_outer = any(o is not None for o in self.by_level)
+        """Whether some level has an outer optimizer (fixed at construction)."""
         self.skip_last = 0
         """How many tensors at the end of every list are averaged plainly (no anchor, no outer step)."""
 
     def __iter__(self):
         """The levels with an outer optimizer, in level order."""
         return (o for o in self.by_level if o is not None)
-
-    @property
-    def has_outer(self) -> bool:
-        return any(o is not None for o in self.by_level)
 
     @property
     def has_anchors(self) -> bool:

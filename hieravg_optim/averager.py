@@ -200,6 +200,8 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             tensors: Called only when anchors are taken; returns the tensors :meth:`take_anchors` gets.
         """
         first = self._verify_step_pending
+        if not first and not self._outers.has_outer:
+            return  # every step after the first, without outer optimizers
         self.verify_step_if_loaded()
         if self.needs_anchors:
             self.take_anchors(tensors(), agree=first)
@@ -377,7 +379,6 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             pool=self.pool,
         )  # fmt: skip
 
-    @eager_under_compile
     def verify_step_if_loaded(self) -> None:
         """After a load, check once that every rank resumed at the same count (collective over the group)."""
         if self._verify_step_pending:

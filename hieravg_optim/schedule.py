@@ -191,9 +191,10 @@ def level_at(count: int, levels: Levels, warmup_steps: int) -> int | None:
         that divides ``count``, or ``None`` when ``count < warmup_steps`` or no period
         divides it: then nothing averages at that count.
     """
-    levels = as_levels(levels)
     if count < warmup_steps:
         return None
+    if not (isinstance(levels, tuple) and all(type(lv) is AveragingLevel for lv in levels)):
+        levels = as_levels(levels)  # a config's levels are such a tuple already
     for index in range(len(levels) - 1, -1, -1):
         if count % levels[index].period == 0:
             return index
