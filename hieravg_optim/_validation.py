@@ -14,10 +14,8 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    from .config import AveragingConfig
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 __all__ = [
     "FieldCheck",
@@ -191,8 +189,7 @@ class FieldCheck(NamedTuple):
             raise setting_error(name, value, self.expected, json=self.json, show_type=self.show_type, tail=self.tail)
 
 
-def _check_ranks_per_node(config: AveragingConfig, world_size: int) -> None:
-    n, s = config.ranks_per_node, config.ranks_per_replica
+def _check_ranks_per_node(levels: Sequence[Any], s: int, n: int | None, world_size: int) -> None:
     if n is None:
         return
     if world_size % n != 0 or n % s != 0:
@@ -201,7 +198,7 @@ def _check_ranks_per_node(config: AveragingConfig, world_size: int) -> None:
             f"ranks_per_replica={s}: nodes are blocks of ranks_per_node consecutive ranks holding whole replicas. "
             "Set it to the ranks of one node (LOCAL_WORLD_SIZE), or to None for a flat all-reduce."
         )
-    for level in config.levels:
+    for level in levels:
         if level.group_size > n and level.group_size % n != 0:
             raise ValueError(
                 f"ranks_per_node={n} must divide group size {level.group_size} of period {level.period}: a level "
@@ -209,16 +206,17 @@ def _check_ranks_per_node(config: AveragingConfig, world_size: int) -> None:
                 f"{n}, or set ranks_per_node=None for a flat all-reduce."
             )
 
-def check_world_size(config: AveragingConfig, world_size: int) -> None:
-    """:meth:`AveragingConfig.check_world_size`: a check across the config and the process group, as torchtitan's
-    ``config/validation.py`` checks across configs."""
-    s = config.ranks_per_replica
+
+def check_world_size(levels: Sequence[Any], s: int, ranks_per_node: int | None, world_size: int) -> None:
+    """:meth:`AveragingConfig.check_world_size` on the config's ``levels`` (``AveragingLevel`` objects),
+    ``ranks_per_replica`` ``s`` and ``ranks_per_node``: a check across the config and the process group, as
+    torchtitan's ``config/validation.py`` checks across configs."""
     if world_size % s != 0:
         raise ValueError(
             f"ranks_per_replica={s} must divide the size of the process group ({world_size}): "
             "every replica is a block of ranks_per_replica consecutive ranks."
         )
-    for level in config.levels:
+    for level in levels:
         if world_size % level.group_size != 0:
             raise ValueError(
                 f"Group size {level.group_size} of period {level.period} must divide the size of the "
@@ -229,19 +227,19 @@ def check_world_size(config: AveragingConfig, world_size: int) -> None:
                 f"Group size {level.group_size} of period {level.period} must be a multiple of "
                 f"ranks_per_replica={s}: a level averages whole replicas."
             )
-    _check_ranks_per_node(config, world_size)
-    last = config.levels[-1].group_size
+    _check_ranks_per_node(levels, s, ranks_per_node, world_size)
+    last = levels[-1].group_size
     if last != world_size:
         raise ValueError(
-            f"The last group size in period_group_size ({last}, period {config.levels[-1].period}) must be "
+            f"The last group size in period_group_size ({last}, period {levels[-1].period}) must be "
             f"equal to the size of the process group ({world_size}): the top level averages all replicas."
         )
-    if config.levels[-1].period == 1:
+    if levels[-1].period == 1:
         warn_at_caller(
             "The largest period in period_group_size is 1: averaging parameters every step costs at least "
             "as much as all-reducing gradients. Use plain DDP / ZeRO / FSDP instead.",
         )
-    for lower, upper in zip(config.levels, config.levels[1:]):
+    for lower, upper in zip(levels, levels[1:]):
         if upper.group_size % lower.group_size != 0:
             warn_at_caller(
                 f"Group size {lower.group_size} (period {lower.period}) does not divide group size "
@@ -255,7 +253,7 @@ def check_world_size(config: AveragingConfig, world_size: int) -> None:
             "one node).",
         )
         return
-    for level in config.levels[:-1]:
+    for level in levels[:-1]:
         if level.group_size == s:
             warn_at_caller(
                 f"Level with period {level.period} has group size {level.group_size} == ranks_per_replica: "

@@ -362,4 +362,4 @@ class AveragingConfig:
             UserWarning: (at the first caller outside hieravg_optim) for a largest period of 1, as torch, levels
                 whose groups do not nest, or a level (or a process group) holding a single replica.
         """
-        check_world_size(self, world_size)
+        check_world_size(self.levels, self.ranks_per_replica, self.ranks_per_node, world_size)
