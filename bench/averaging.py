@@ -278,7 +278,7 @@ def main() -> None:
     parser.add_argument("--out", default="averaging.json", help="file name under bench/results/")
     parser.add_argument(
         "--baseline-rev", default=None,
-        help="also time average_tensors_ of hieravg_optim/averaging.py at this git revision (A/B), as baseline_raw",
+        help="also time average_tensors_ of hieravg_optim.averaging at this git revision (A/B), as baseline_raw",
     )
     args = parser.parse_args()
     models = args.models.split(",")
