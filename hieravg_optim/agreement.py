@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ._compat import process_group_timeout
 from ._handover import hand_over
 from .faults import named_collective
 from .nonfinite import has_nonfinite  # re-exported: its old import path
@@ -66,7 +67,9 @@ def agree_across_ranks(
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     hand_over(mine, *everyone)
     ranks = dist.get_process_group_ranks(group)
-    with named_collective(f"the agreement on {what}", ranks):
+    timeout = process_group_timeout(group)
+    timeout_s = None if timeout is None else timeout.total_seconds()
+    with named_collective(f"the agreement on {what}", ranks, timeout_s=timeout_s):
         dist.all_gather(everyone, mine, group=group)
     failed = [i for i, t in enumerate(everyone) if int(t[1])]
     same = all(int(t[0]) == int(everyone[0][0]) for t in everyone)
@@ -76,7 +79,7 @@ def agree_across_ranks(
         raise error  # every rank failed: each raises its own error, no further collective
     gathered: list = [None] * world_size
     message = None if error is None else f"{type(error).__name__}: {error}"
-    with named_collective(f"the agreement on {what}", ranks):
+    with named_collective(f"the agreement on {what}", ranks, timeout_s=timeout_s):
         dist.all_gather_object(gathered, (None if error is not None else value, message), group=group)
     if error is not None:
         raise error

@@ -283,7 +283,7 @@ class OuterAnchorsMixin:
     """The outer optimizers of :class:`~hieravg_optim.HierarchicalAverager` (a base class of it).
 
     Reads the averager's ``_outers`` (:class:`OuterLevels`), ``_metrics``, ``step``, ``config`` and
-    ``process_group``.
+    ``timed_process_group``.
     """
 
     _outers: OuterLevels
@@ -291,6 +291,7 @@ class OuterAnchorsMixin:
     step: int
     config: Any
     process_group: dist.ProcessGroup
+    timed_process_group: dist.ProcessGroup
 
     @property
     def outer_skip_last(self) -> int:
@@ -383,6 +384,6 @@ class OuterAnchorsMixin:
             Exception: whatever the anchors' allocation raises. With ``agree``, each error on the ranks where it
                 happened, and a ``RuntimeError`` naming them on the others.
         """
-        self._outers.take(tensors, agree_over=self.process_group if agree else None)
+        self._outers.take(tensors, agree_over=self.timed_process_group if agree else None)
         for m in self._metrics:
             m.pseudo_grad_norm = None

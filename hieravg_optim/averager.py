@@ -20,7 +20,7 @@ from .anchors import TAKE_ANCHORS, OuterAnchorsMixin, OuterLevels
 from .averaging import BucketPool
 from .checkpoint import AveragingStateMixin
 from .config import AveragingConfig, check_log_metrics_every
-from .groups import LevelGroup, build_level_groups, group_timeout, timeout_seconds
+from .groups import LevelGroup, build_level_groups, group_timeout, timed_process_group, timeout_seconds
 from .metrics import LevelMetrics, MetricsMixin, bytes_sent
 from .nonfinite import repair_skipped_replica_state
 from .outer import OuterFactory
@@ -140,6 +140,9 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         self.config = config
         factories, device = config.outer_optimizers, config.outer_state_device
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
+        self.timed_process_group: dist.ProcessGroup = timed_process_group(config, self.process_group, self.level_groups)
+        """The ranks of :attr:`process_group` with the averaging's timeout (``collective_timeout_s``): the group
+        of every collective over all of them after construction; :attr:`process_group` itself without it."""
         # A sharded replica's ranks decide together whether it is finite (one int64 per round).
         timeout = group_timeout(config, self.process_group)
         self._replica_group = replica_group_for(config, self.process_group, timeout, replica_group)
@@ -164,6 +167,12 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         self.outer_state_device: torch.device | None = device
         """Where anchors and outer optimizer state live; ``None``: each tensor's own device."""
         self._outers = OuterLevels(config.levels, factories, device)
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """This rank's replica group (its ``ranks_per_replica`` consecutive ranks), with the averaging's timeout
+        (or the one given at construction); ``None`` with one rank per replica."""
+        return self._replica_group
 
     @property
     def levels(self) -> tuple[AveragingLevel, ...]:
@@ -206,7 +215,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         if self.needs_anchors:
             self.take_anchors(tensors(), agree=first)
         elif first and self.has_outer:
-            self._outers.agree_taken(self.process_group)
+            self._outers.agree_taken(self.timed_process_group)
 
     @eager_under_compile
     def step_and_average(
@@ -260,7 +269,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             try:
                 chosen = tensors()
             except Exception as exc:  # noqa: BLE001 - the other ranks wait in take_anchors' agreement
-                raise_on_every_rank(exc, self.process_group, TAKE_ANCHORS)
+                raise_on_every_rank(exc, self.timed_process_group, TAKE_ANCHORS)
             self.take_anchors(chosen, agree=True)  # the end of the warm-up
         self.step += 1
         self._log_metrics_if_due()
@@ -354,7 +363,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         """
         top = self.level_groups[-1]
         replica.broadcast_from_first_replica(
-            tensors, whole, top=top, process_group=self.process_group,
+            tensors, whole, top=top, process_group=self.timed_process_group,
             timeout_s=timeout_seconds(self.config, top.group),
         )  # fmt: skip
 
@@ -388,6 +397,6 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
                 "the averaging step count after load_state_dict (checked at the first step after construction "
                 "or loading)",
                 self.step,
-                self.process_group,
+                self.timed_process_group,
                 fix="Load the same checkpoint on every rank (or on none) before stepping.",
             )

@@ -23,6 +23,7 @@ each rank creates only its own subgroups, with ``use_local_synchronization=True`
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -36,10 +37,13 @@ __all__ = [
     "LevelGroup",
     "NodeGroups",
     "averaging_subgroup_ranks",
+    "averaging_timeout",
     "build_level_groups",
     "group_timeout",
+    "new_timed_group",
     "node_split_ranks",
     "process_group_timeout",
+    "timed_process_group",
     "timeout_seconds",
 ]
 
@@ -97,11 +101,62 @@ def averaging_subgroup_ranks(world_size: int, group_size: int, ranks_per_replica
     return subgroups
 
 
+def averaging_timeout(collective_timeout_s: float | None, process_group: dist.ProcessGroup | None) -> timedelta | None:
+    """The timeout of every group this package creates: ``collective_timeout_s`` (seconds), else that of
+    ``process_group`` (``None``: the default group), else ``None`` (unknown: torch's default for the backend)."""
+    if collective_timeout_s is not None:
+        return timedelta(seconds=collective_timeout_s)
+    return process_group_timeout(process_group if process_group is not None else dist.group.WORLD)
+
+
 def group_timeout(config: AveragingConfig, process_group: dist.ProcessGroup) -> timedelta | None:
     """The timeout of the groups created for ``config``: ``collective_timeout_s``, else that of ``process_group``."""
-    if config.collective_timeout_s is not None:
-        return timedelta(seconds=config.collective_timeout_s)
-    return process_group_timeout(process_group)
+    return averaging_timeout(config.collective_timeout_s, process_group)
+
+
+def new_timed_group(
+    ranks: Sequence[int], timeout: timedelta | None, *, local_sync: bool = False
+) -> dist.ProcessGroup | None:
+    """A new process group of ``ranks`` (global ranks) with ``timeout``: the one place this package creates groups.
+
+    :func:`torch.distributed.new_group` alone gives a group torch's default timeout for the backend (30 min on
+    gloo, 10 min on NCCL), whatever ``init_process_group(timeout=...)`` said; every group created here gets
+    ``timeout`` instead (see :func:`averaging_timeout`), so that a hung peer is reported in the user's time.
+
+    .. warning::
+        Collective: every rank of the default group calls this for every group, in one order; with
+        ``local_sync``, only the members call it (``use_local_synchronization=True``), and the others get ``None``.
+    """
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    if not local_sync:
+        return dist.new_group(list(ranks), **kwargs)
+    if dist.get_rank() not in ranks:
+        return None
+    return dist.new_group(list(ranks), use_local_synchronization=True, **kwargs)
+
+
+def timed_process_group(
+    config: AveragingConfig, process_group: dist.ProcessGroup, level_groups: Sequence[LevelGroup]
+) -> dist.ProcessGroup:
+    """The ranks of ``process_group`` with the averaging's timeout, for the collectives over all of them after
+    construction (the step count's check after a load, the anchors' agreement, the broadcast of whole tensors).
+
+    ``process_group`` itself without ``collective_timeout_s`` or where its timeout is that one already; else the
+    top level's group where it spans ``process_group`` (created with the timeout); else a new group.
+
+    .. warning::
+        Collective over ``process_group`` when a group is created (as :func:`build_level_groups`).
+    """
+    timeout = group_timeout(config, process_group)
+    if config.collective_timeout_s is None or process_group_timeout(process_group) == timeout:
+        return process_group
+    ranks = dist.get_process_group_ranks(process_group)
+    top = level_groups[-1]
+    if top.group is not None and len(top.ranks) == len(ranks):
+        return top.group
+    group = new_timed_group(ranks, timeout, local_sync=len(ranks) != dist.get_world_size())
+    assert group is not None
+    return group
 
 
 def timeout_seconds(config: AveragingConfig, group: dist.ProcessGroup | None) -> float | None:
@@ -171,10 +226,8 @@ def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup
             cache[ranks] = None
         elif len(ranks) == world_size and not own_timeout:
             cache[ranks] = pg
-        elif not local_sync:
-            cache[ranks] = dist.new_group(list(ranks), timeout=timeout)
-        elif my_rank in ranks:
-            cache[ranks] = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
+        elif not local_sync or my_rank in ranks:
+            cache[ranks] = new_timed_group(ranks, timeout, local_sync=local_sync)
 
     result = []
     for level in config.levels:

@@ -30,7 +30,7 @@ from .agreement import collective_device, agree_across_ranks, check_agreement, t
 from .averaging import BucketPool, average_tensors_
 from .config import AveragingConfig
 from .faults import CollectiveError, named_collective
-from .groups import LevelGroup, process_group_timeout
+from .groups import LevelGroup, new_timed_group, process_group_timeout
 
 __all__ = [
     "average_within_replica",
@@ -55,8 +55,9 @@ def build_replica_group(
 ) -> dist.ProcessGroup | None:
     """This rank's replica group (``ranks_per_replica`` consecutive ranks of ``process_group``), or ``None``.
 
-    ``None`` when no replica-wide check is needed: ``ranks_per_replica == 1`` or
-    ``nonfinite == "ignore"``.
+    ``None`` with ``ranks_per_replica == 1``. The group serves the replica's finiteness vote, the average of
+    the tensors held whole within the replica, and the adapters' collectives within a replica (checkpoints),
+    all with ``timeout``.
 
     .. warning::
         Collective: every rank of ``process_group`` calls this with the same ``config``, because
@@ -69,20 +70,14 @@ def build_replica_group(
         timeout: The timeout of the new groups; ``None``: torch's default for the backend.
     """
     s = config.ranks_per_replica
-    if s == 1 or config.nonfinite == "ignore":
+    if s == 1:
         return None
     ranks = dist.get_process_group_ranks(process_group)
     local_sync = len(ranks) != dist.get_world_size()
-    kwargs = {} if timeout is None else {"timeout": timeout}
     mine = None
     for start in range(0, len(ranks), s):
         members = ranks[start : start + s]
-        if not local_sync:
-            group = dist.new_group(members, **kwargs)
-        elif dist.get_rank() in members:
-            group = dist.new_group(members, use_local_synchronization=True, **kwargs)
-        else:
-            continue
+        group = new_timed_group(members, timeout, local_sync=local_sync)
         if dist.get_rank() in members:
             mine = group
     return mine

@@ -97,7 +97,7 @@ def average_round(
             with named_collective(
                 f"the agreement of the replica's ranks on whether it is finite, before {name}",
                 replica_ranks,
-                timeout_s=config.collective_timeout_s,
+                timeout_s=timeout_seconds(config, replica_group),
             ):
                 nonfinite = replica_any(local, replica_group)
         bad = check_agreement(

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..averager import HierarchicalAverager
+from ..checkpoint import read_step
 from ..config import AveragingConfig
 from ..outer import OuterFactory
 from .mpu import ReplicaParallelUnit
@@ -382,4 +383,21 @@ class DeepSpeedAveraging:
             ValueError: from :meth:`HierarchicalAverager.load_state_dict
                 <hieravg_optim.HierarchicalAverager.load_state_dict>`; nothing is changed then.
         """
-        self.averager.load_state_dict(state, self.tensors_to_average())
+        self.commit_state(state, self.check_state(state))
+
+    def check_state(self, state: Mapping[str, Any]) -> dict[int, tuple] | None:
+        """Validate :meth:`state_dict`'s output for :meth:`commit_state`; changes nothing. Local, no collective.
+
+        The first half of :meth:`load_state_dict`, so that a load can be agreed across ranks before any
+        rank changes its state (the checkpoint hook's all-or-nothing load).
+
+        Raises:
+            ValueError: as :meth:`load_state_dict`.
+        """
+        read_step(state)
+        return self.averager.check_outer_state(state, self.tensors_to_average())
+
+    def commit_state(self, state: Mapping[str, Any], parsed: dict[int, tuple] | None) -> None:
+        """Restore a state :meth:`check_state` has validated (``parsed``: its result). Local, no collective."""
+        self.averager.load_step_state(state)
+        self.averager.load_outer_state(parsed)

@@ -10,6 +10,7 @@ ranks of one replica (:func:`keep_trace_checks_in_replica`). Written against Dee
 from __future__ import annotations
 
 import contextvars
+import inspect
 import os
 import warnings
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._compat import process_group_timeout
 from ..agreement import agree_across_ranks
 from ..faults import named_collective
 from .checkpoint import (
@@ -117,18 +119,33 @@ def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
             with open(os.path.join(folder, "latest"), "w") as fd:
                 fd.write(saved_tag)
         world = list(range(dist.get_world_size()))
-        with named_collective(f"the barrier after saving the checkpoint under {os.fspath(save_dir)}", world):
-            dist.barrier()
+        group = state.averager.timed_process_group
+        timeout = process_group_timeout(group)
+        with named_collective(
+            f"the barrier after saving the checkpoint under {os.fspath(save_dir)}",
+            world,
+            timeout_s=None if timeout is None else timeout.total_seconds(),
+        ):
+            dist.barrier(group=group)
         return out
 
     def load_checkpoint(load_dir, tag=None, *args: Any, **kwargs: Any):
         folder = replica_checkpoint_dir(load_dir, state.replica_index)
-        load_path, client_state = original_load(folder, tag, *args, **kwargs)
+        module_only = _load_module_only(original_load, tag, args, kwargs)
         error: BaseException | None = None
+        staged: tuple[dict[str, Any], Any] | None = None
+        try:
+            load_path, client_state = original_load(folder, tag, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - e.g. a truncated file of this replica: raised on every rank below
+            load_path, client_state, error = None, None, exc
         if load_path is not None:
             client_state = dict(client_state or {})
             saved = client_state.pop(CHECKPOINT_KEY, None)
-            if saved is None:
+            if module_only:
+                # DeepSpeed keeps the engine's global_steps and its optimizer: the averaging state is the
+                # optimizer's kind, so it is not loaded either, and the count stays the engine's step.
+                saved = {"step": engine.global_steps}
+            elif saved is None:
                 warnings.warn(
                     f"The checkpoint {load_path} has no hierarchical averaging state; the averaging schedule resumes "
                     f"at the engine's global step {engine.global_steps}.",
@@ -140,7 +157,8 @@ def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
             dp_rank = state.mpu.get_data_parallel_rank()
             try:
                 try:
-                    state.load_state_dict(with_outer_state(saved, tag_dir, dp_rank, state.outer_state_location()))
+                    loaded = with_outer_state(saved, tag_dir, dp_rank, state.outer_state_location())
+                    staged = (loaded, state.check_state(loaded))
                 except ValueError as exc:
                     # Local: raised on every rank by the agreement below, before any other collective.
                     raise ValueError(
@@ -149,27 +167,41 @@ def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
                         f"{exc} Resume with the model, trainable parameters, ZeRO stage and ranks_per_replica that "
                         "saved it. The averaging state is unchanged (DeepSpeed has loaded the engine's weights)."
                     ) from exc
-                if state.averager.needs_anchors:
-                    # A checkpoint without outer state (saved without outer optimizers), past the warm-up: anchors
-                    # at the loaded weights; the first round averages them over its group.
-                    state.take_anchors()
             except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement below
-                error = exc
+                error, staged = exc, None
         # DeepSpeed only logs a warning for a missing checkpoint: a replica without one (resuming with more
         # replicas than were saved) would silently start from fresh weights while the others resume. One
-        # collective checks that, and that every rank restored its own outer state.
+        # collective checks that, and that every rank could restore its averaging state, before any rank
+        # changes it: a load that fails on one rank leaves the averaging state of every rank as it was.
         agree_across_ranks(
             f"whether their replica found a checkpoint under {os.fspath(load_dir)}/replica_<k> (True: found)",
             load_path is not None,
-            None,
+            state.averager.timed_process_group,
             error=error,
             fix="Every replica loads its own folder: resume with the world size and ranks_per_replica that saved "
             "the checkpoint, or on none of the replicas.",
         )
+        if staged is not None:
+            loaded, parsed = staged
+            state.commit_state(loaded, parsed)
+            if state.averager.needs_anchors:
+                # A checkpoint without outer state (saved without outer optimizers, or loaded with
+                # load_module_only), past the warm-up: anchors at the loaded weights; the first round averages
+                # them over its group.
+                state.take_anchors()
         return load_path, client_state
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+
+
+def _load_module_only(original_load: Callable[..., Any], tag: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """The ``load_module_only`` argument of a call of DeepSpeed's ``load_checkpoint(load_dir, tag, ...)``."""
+    try:
+        bound = inspect.signature(original_load).bind("", tag, *args, **kwargs)
+    except TypeError:  # DeepSpeed raises its own error for the call
+        return False
+    return bool(bound.arguments.get("load_module_only", False))
 
 
 _TRACE_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("hieravg_zero3_trace_group", default=None)

@@ -8,9 +8,9 @@ model-parallel group.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch.distributed as dist
+
+from ..groups import averaging_timeout, new_timed_group
 
 __all__ = ["ReplicaParallelUnit"]
 
@@ -32,7 +32,9 @@ class ReplicaParallelUnit:
     Args:
         ranks_per_replica: Ranks per replica; must divide the world size.
         timeout_s: The timeout of the replica groups, in seconds (``collective_timeout_s``: the averaging
-            uses them too); ``None``: :func:`torch.distributed.new_group`'s default.
+            uses them too, and DeepSpeed reduces gradients over them, so a hung rank of a replica is reported
+            in this time); ``None``: the default process group's (``init_process_group(timeout=...)``), not
+            torch's default for :func:`torch.distributed.new_group` (30 min on gloo, 10 min on NCCL).
     """
 
     def __init__(self, ranks_per_replica: int, *, timeout_s: float | None = None) -> None:
@@ -48,16 +50,16 @@ class ReplicaParallelUnit:
         first = self.replica_index * ranks_per_replica
         self._dp_ranks = list(range(first, first + ranks_per_replica))
         self._dp_group = None
-        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        timeout = averaging_timeout(timeout_s, None)
         for start in range(0, world_size, ranks_per_replica):
             ranks = list(range(start, start + ranks_per_replica))
             whole_world = ranks_per_replica == world_size and timeout_s is None
-            group = dist.group.WORLD if whole_world else dist.new_group(ranks, **kwargs)
+            group = dist.group.WORLD if whole_world else new_timed_group(ranks, timeout)
             if rank in ranks:
                 self._dp_group = group
         self._mp_group = None
         for other in range(world_size):
-            group = dist.new_group([other])
+            group = new_timed_group([other], timeout)
             if other == rank:
                 self._mp_group = group
 

@@ -74,6 +74,13 @@ def _checkpoint_state(
     return state
 
 
+def _replica_group(optimizer: FSDPHierarchicalAveragingOptimizer) -> dist.ProcessGroup:
+    """The group of DCP's collectives within the replica: the averager's (with the averaging's timeout), else
+    the mesh's ``"shard"`` group of this rank alone."""
+    group = optimizer.averager.replica_group
+    return group if group is not None else optimizer.mesh[SHARD_DIM].get_group()
+
+
 def _flat_optimizer_state(optimizer: FSDPHierarchicalAveragingOptimizer) -> dict[str, Any]:
     inner = optimizer.optimizer
     raw = inner.state_dict()
@@ -138,8 +145,8 @@ def save_checkpoint(
     from torch.distributed.checkpoint import save
 
     state = _checkpoint_state(module, optimizer)
-    save(state, checkpoint_id=_replica_folder(path, optimizer), process_group=optimizer.mesh[SHARD_DIM].get_group())
-    dist.barrier()
+    save(state, checkpoint_id=_replica_folder(path, optimizer), process_group=_replica_group(optimizer))
+    dist.barrier(group=optimizer.averager.timed_process_group)
 
 
 def load_checkpoint(
@@ -171,7 +178,11 @@ def load_checkpoint(
     # Replaces a barrier: a replica that failed (its folder missing: fewer replicas were saved) raises its
     # error, every other rank a RuntimeError naming it, instead of waiting in the next collective.
     agree_across_ranks(
-        "the checkpoint load", None, None, error=error, fix="Resume with the mesh shape that saved the checkpoint."
+        "the checkpoint load",
+        None,
+        optimizer.averager.timed_process_group,
+        error=error,
+        fix="Resume with the mesh shape that saved the checkpoint.",
     )
 
 
@@ -188,7 +199,7 @@ def _load_replica(
             "(replicas, shards) that saved it."
         )
     state = _checkpoint_state(module, optimizer, outer=False)
-    shard_group = optimizer.mesh[SHARD_DIM].get_group()
+    shard_group = _replica_group(optimizer)
     metadata = FileSystemReader(folder).read_metadata()
     outer_template = None
     if any(key.startswith(f"{_OUTER}.") for key in metadata.state_dict_metadata):  # the same on the whole replica

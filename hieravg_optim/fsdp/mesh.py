@@ -14,11 +14,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 
-from .._compat import fully_shard
+from .._compat import fully_shard, process_group_timeout
+from ..config import check_collective_timeout_s
+from ..groups import averaging_timeout, new_timed_group
 
 __all__ = [
     "HSDP_FIX",
@@ -28,6 +30,7 @@ __all__ = [
     "check_fsdp1_strategy",
     "check_replicate_shard_mesh",
     "init_replicate_shard_mesh",
+    "mesh_timeouts",
     "shard_replica",
 ]
 
@@ -72,8 +75,15 @@ def backend_device_type(group: dist.ProcessGroup | None = None) -> str:
     return "cpu"
 
 
-def init_replicate_shard_mesh(shards_per_replica: int, device_type: str | None = None) -> DeviceMesh:
+def init_replicate_shard_mesh(
+    shards_per_replica: int, device_type: str | None = None, *, timeout_s: float | None = None
+) -> DeviceMesh:
     """Build the ``(replicate, shard)`` device mesh over the default process group.
+
+    Its groups are created with a timeout (:func:`hieravg_optim.groups.new_timed_group`), where
+    ``init_device_mesh`` gives torch's default for the backend (30 min on gloo, 10 min on NCCL) whatever
+    ``init_process_group(timeout=...)`` said: FSDP reduces gradients over the ``"shard"`` groups every step,
+    so a hung rank of a replica is reported in this time by FSDP too, as by the averaging.
 
     .. warning:: Collective over the default process group: every rank must call this.
 
@@ -83,13 +93,16 @@ def init_replicate_shard_mesh(shards_per_replica: int, device_type: str | None =
             default process group's backend (see :func:`backend_device_type`: ``"gloo"`` -> ``"cpu"``,
             ``"nccl"`` -> ``"cuda"``), not whether CUDA is available: a gloo run of several ranks on
             a machine with fewer GPUs than ranks stays on the CPU.
+        timeout_s: The timeout of the mesh's groups, in seconds: pass the optimizer's ``collective_timeout_s``;
+            ``None``: the default process group's timeout.
 
     Returns:
         A mesh of shape ``(W // S, S)`` named ``("replicate", "shard")``; replica ``r`` is ranks
         ``r*S .. r*S + S - 1``.
 
     Raises:
-        ValueError: if ``shards_per_replica`` is not a positive integer dividing the world size.
+        ValueError: if ``shards_per_replica`` is not a positive integer dividing the world size, or ``timeout_s``
+            is not a positive number of seconds (at most ``1e9``).
         RuntimeError: if torch.distributed is not initialized.
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -102,13 +115,30 @@ def init_replicate_shard_mesh(shards_per_replica: int, device_type: str | None =
             f"shards_per_replica={shards_per_replica} must divide the world size ({world_size}): every replica "
             "is a block of shards_per_replica consecutive ranks."
         )
+    if timeout_s is not None:
+        check_collective_timeout_s(timeout_s)
     if device_type is None:
         device_type = backend_device_type()
-    return init_device_mesh(
-        device_type,
-        (world_size // shards_per_replica, shards_per_replica),
-        mesh_dim_names=(REPLICATE_DIM, SHARD_DIM),
-    )
+    timeout = averaging_timeout(timeout_s, None)
+    ranks = torch.arange(world_size).view(world_size // shards_per_replica, shards_per_replica)
+    rank = dist.get_rank()
+    mine: list[dist.ProcessGroup] = []
+    for members in (ranks.t(), ranks):  # the replicate groups (one per shard index), then the shard groups
+        for row in members.tolist():
+            whole = len(row) == world_size and process_group_timeout(dist.group.WORLD) == timeout
+            group = dist.group.WORLD if whole else new_timed_group(row, timeout)
+            if rank in row:
+                mine.append(group)
+    return DeviceMesh.from_group(mine, device_type, mesh=ranks, mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
+
+
+def mesh_timeouts(mesh: DeviceMesh) -> dict[str, float | None]:
+    """The timeout of this rank's group of each dimension of ``mesh``, in seconds (``None``: unknown). Local."""
+    result = {}
+    for name in mesh.mesh_dim_names or ():
+        timeout = process_group_timeout(mesh[name].get_group())
+        result[name] = None if timeout is None else timeout.total_seconds()
+    return result
 
 
 def check_replicate_shard_mesh(mesh: object) -> tuple[int, int]:

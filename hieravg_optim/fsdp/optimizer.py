@@ -9,6 +9,7 @@ HSDP) or not by FSDP, on every rank, before any averaging collective.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import fields
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
@@ -21,11 +22,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._compat import Placement, Shard
 from ..agreement import raise_on_every_rank
 from ..config import AveragingConfig
+from ..groups import group_timeout
 from ..tensors import local_tensor, unique_params
 from ..optimizer import HierarchicalAveragingOptimizer
 from ..schedule import AveragingLevel
 from .layout import ParamGroups, fsdp1_units, local_flat_shard, validate_module
-from .mesh import REPLICATE_DIM, SHARD_DIM, check_replicate_shard_mesh
+from .mesh import REPLICATE_DIM, SHARD_DIM, check_replicate_shard_mesh, mesh_timeouts
 
 __all__ = ["FSDPHierarchicalAveragingOptimizer", "ShardLayout"]
 
@@ -151,6 +153,7 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
             synchronous_warmup=synchronous_warmup,
             **settings,
         )
+        self._warn_if_mesh_waits_longer()
         if dist.get_rank() == 0:
             logger.info(
                 "FSDP%d hierarchical averaging: %d replicas x %d shards, %d optimizer parameters",
@@ -159,6 +162,27 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
                 shards,
                 len(unique_params(optimizer.param_groups)),
             )
+
+    def _warn_if_mesh_waits_longer(self) -> None:
+        """Warn if a group of the mesh has a longer timeout than the averaging's: FSDP's own collectives wait on it.
+
+        The averaging never communicates over the mesh's groups (it builds its own, with its timeout); FSDP does,
+        every step, so a hung rank of the replica is reported by FSDP only at that group's timeout. Local.
+        """
+        expected = group_timeout(self.averager.config, self.averager.process_group)
+        if expected is None:
+            return
+        limit = expected.total_seconds()
+        for name, seconds in mesh_timeouts(self.mesh).items():
+            if seconds is not None and seconds > limit:
+                warnings.warn(
+                    f"The mesh's {name!r} group has a timeout of {seconds:g} s, longer than the averaging's "
+                    f"{limit:g} s (collective_timeout_s, else the process group's): FSDP's own collectives over "
+                    f"it (all-gathers and gradient reduce-scatters) report a hung rank only after {seconds:g} s. "
+                    f"Build the mesh with hieravg_optim.fsdp.init_replicate_shard_mesh(shards_per_replica, "
+                    f"timeout_s={limit:g}) (init_device_mesh gives its groups torch's default, 30 min on gloo).",
+                    stacklevel=3,
+                )
 
     def _sync_replicas_at_construction(self) -> None:
         """Broadcast replica 0's local shards (sharded tensors; FSDP holds nothing whole), before the anchors of
