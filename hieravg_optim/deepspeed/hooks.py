@@ -27,6 +27,7 @@ from .checkpoint import (
     replica_checkpoint_dir,
     save_outer_state,
     with_outer_state,
+    write_latest,
 )
 from .engine import DeepSpeedAveraging
 
@@ -97,45 +98,52 @@ def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
     """
     original_save = engine.save_checkpoint
     original_load = engine.load_checkpoint
+    check_tag = engine._checkpoint_tag_validation
+    # The tag DeepSpeed sees, replica_<k>, differs between replicas by design: the tag given is checked instead.
+    engine._checkpoint_tag_validation = lambda tag: None
+    replica_tag = os.path.basename(replica_checkpoint_dir("", state.replica_index))
+    world = list(range(dist.get_world_size()))
+    group = state.averager.timed_process_group
+    timeout = process_group_timeout(group)
+    timeout_s = None if timeout is None else timeout.total_seconds()
 
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
-        folder = replica_checkpoint_dir(save_dir, state.replica_index)
+        saved_tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        check_tag(saved_tag)  # collective over the world, as in DeepSpeed's save_checkpoint
+        folder = replica_checkpoint_dir(save_dir, state.replica_index, saved_tag)
         os.makedirs(folder, exist_ok=True)
         client = dict(client_state or {})
         averaging = dict(state.state_dict())
-        saved_tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        # Before DeepSpeed's save, which ends by naming the tag in "latest".
-        save_outer_state(averaging, os.path.join(folder, saved_tag), state.mpu.get_data_parallel_rank())
+        # Before DeepSpeed's save, and before "latest" names the tag.
+        save_outer_state(averaging, folder, state.mpu.get_data_parallel_rank())
         client[CHECKPOINT_KEY] = averaging
         out = original_save(
-            folder,
-            tag=tag,
+            os.path.join(os.fspath(save_dir), saved_tag),
+            tag=replica_tag,
             client_state=client,
-            save_latest=save_latest,
+            save_latest=False,
             exclude_frozen_parameters=exclude_frozen_parameters,
         )
-        if save_latest and state.replica_index > 0 and state.mpu.get_data_parallel_rank() == 0:
-            # DeepSpeed writes "latest" on global rank 0 only, i.e. for replica 0.
-            with open(os.path.join(folder, "latest"), "w") as fd:
-                fd.write(saved_tag)
-        world = list(range(dist.get_world_size()))
-        group = state.averager.timed_process_group
-        timeout = process_group_timeout(group)
         with named_collective(
-            f"the barrier after saving the checkpoint under {os.fspath(save_dir)}",
-            world,
-            timeout_s=None if timeout is None else timeout.total_seconds(),
+            f"the barrier after saving the checkpoint under {os.fspath(save_dir)}", world, timeout_s=timeout_s
         ):
             dist.barrier(group=group)
+        if save_latest:
+            if dist.get_rank() == 0:
+                write_latest(save_dir, saved_tag)
+            with named_collective(
+                f"the barrier after naming {saved_tag} in {os.fspath(save_dir)}/latest", world, timeout_s=timeout_s
+            ):
+                dist.barrier(group=group)
         return out
 
     def load_checkpoint(load_dir, tag=None, *args: Any, **kwargs: Any):
-        folder = replica_checkpoint_dir(load_dir, state.replica_index)
+        folder, folder_tag = _replica_to_load(load_dir, tag, state.replica_index, replica_tag)
         module_only = _load_module_only(original_load, tag, args, kwargs)
         error: BaseException | None = None
         staged: tuple[dict[str, Any], Any] | None = None
         try:
-            load_path, client_state = original_load(folder, tag, *args, **kwargs)
+            load_path, client_state = original_load(folder, folder_tag, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - e.g. a truncated file of this replica: raised on every rank below
             load_path, client_state, error = None, None, exc
         if load_path is not None:
@@ -174,7 +182,7 @@ def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
         # collective checks that, and that every rank could restore its averaging state, before any rank
         # changes it: a load that fails on one rank leaves the averaging state of every rank as it was.
         agree_across_ranks(
-            f"whether their replica found a checkpoint under {os.fspath(load_dir)}/replica_<k> (True: found)",
+            f"whether their replica found a checkpoint under {os.fspath(load_dir)} (True: found)",
             load_path is not None,
             state.averager.timed_process_group,
             error=error,
@@ -202,6 +210,22 @@ def _load_module_only(original_load: Callable[..., Any], tag: Any, args: tuple, 
     except TypeError:  # DeepSpeed raises its own error for the call
         return False
     return bool(bound.arguments.get("load_module_only", False))
+
+
+def _replica_to_load(load_dir: Any, tag: Any, replica_index: int, replica_tag: str) -> tuple[str, str | None]:
+    """``(folder, tag)`` for DeepSpeed's ``load_checkpoint`` of this replica: ``(<load_dir>/<tag>, replica_<k>)``,
+    ``tag`` read from ``<load_dir>/latest`` if ``None``; else the earlier layout's ``(<load_dir>/replica_<k>, tag)``."""
+    named = tag
+    if named is None:
+        latest = os.path.join(os.fspath(load_dir), "latest")
+        if os.path.isfile(latest):
+            with open(latest) as fd:
+                named = fd.read().strip()
+    if named is not None and os.path.isdir(replica_checkpoint_dir(load_dir, replica_index, str(named))):
+        return os.path.join(os.fspath(load_dir), str(named)), replica_tag
+    # The earlier layout; with the tag given only (else DeepSpeed reads the replica folder's own latest, and finds
+    # nothing when this replica's folder is missing: the agreement after the load then raises on every rank).
+    return replica_checkpoint_dir(load_dir, replica_index), tag
 
 
 _TRACE_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("hieravg_zero3_trace_group", default=None)
