@@ -737,14 +737,17 @@ def test_bad_section_raises_before_any_process_group(tmp_path):
     assert not dist.is_initialized()
 
 
-def test_missing_optimizer_raises_before_any_process_group():
+def test_without_optimizer_the_section_is_left_out_before_any_process_group():
+    """No optimizer (HF's ZeRO-3 evaluation engine): DeepSpeed's own engine, of the config without the section."""
     import torch
     import torch.distributed as dist
 
-    import hieravg_optim.deepspeed as hds
+    from hieravg_optim.deepspeed.local import check_locally
 
-    with pytest.raises(ValueError, match="needs an optimizer"):
-        hds.initialize(model=torch.nn.Linear(2, 2), config=_config(1, "fp32", 1, {"period_group_size": {"4": 4}}))
+    config = _config(1, "fp32", 1, {"period_group_size": {"4": 4}})
+    local = check_locally(config, torch.nn.Linear(2, 2), None, None, None, False)
+    assert local.settings is not None and local.averaging_config is None
+    assert local.ds_config == {k: v for k, v in config.items() if k != "hierarchical_averaging"}
     assert not dist.is_initialized()
 
 

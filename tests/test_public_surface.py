@@ -40,9 +40,12 @@ ALL = {
         "SectionSettings",
         "get_averaging",
         "initialize",
+        "install",
+        "installed",
         "outer_state_file",
         "parse_section",
         "replica_checkpoint_dir",
+        "uninstall",
     },
     "hieravg_optim.fsdp": {
         "REPLICATE_DIM",

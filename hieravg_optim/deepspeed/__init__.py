@@ -26,8 +26,10 @@ and then
   ``ranks_per_replica`` layout), then DeepSpeed's own routine copies the averaged master
   weights into the live low-precision / partitioned parameters.
 
-Without the section (or with ``"enabled": false``) :func:`initialize` is exactly
-:func:`deepspeed.initialize`.
+Without the section (or with ``"enabled": false``, or without an optimizer) :func:`initialize` is
+exactly :func:`deepspeed.initialize`. :func:`install` makes ``deepspeed.initialize`` itself this
+:func:`initialize`, for the frameworks that call it (HF ``Trainer``, ``accelerate``, Lightning);
+``python -m hieravg_optim.run SCRIPT ARGS...`` runs a script with it installed.
 
 Hierarchical SGD: https://arxiv.org/abs/2010.12998; post-local SGD:
 https://arxiv.org/abs/1808.07217. Written against DeepSpeed 0.19.8.
@@ -35,15 +37,15 @@ https://arxiv.org/abs/1808.07217. Written against DeepSpeed 0.19.8.
 The modules: :mod:`~hieravg_optim.deepspeed.section` (the config section),
 :mod:`~hieravg_optim.deepspeed.mpu` (the replica mpu), :mod:`~hieravg_optim.deepspeed.engine`
 (the fp32 masters and the step), :mod:`~hieravg_optim.deepspeed.hooks` (the engine patches),
-:mod:`~hieravg_optim.deepspeed.checkpoint` (per-replica checkpoint files) and
-:mod:`~hieravg_optim.deepspeed.initialize`. Inside this package,
+:mod:`~hieravg_optim.deepspeed.checkpoint` (per-replica checkpoint files),
+:mod:`~hieravg_optim.deepspeed.initialize` (with :func:`install`). Inside this package,
 ``import deepspeed`` is DeepSpeed itself (absolute imports).
 """
 
 from .checkpoint import CHECKPOINT_KEY, outer_state_file, replica_checkpoint_dir
 from .engine import DeepSpeedAveraging
 from .hooks import get_averaging
-from .initialize import initialize
+from .initialize import initialize, install, installed, uninstall
 from .mpu import ReplicaParallelUnit
 from .section import SECTION, SectionSettings, parse_section
 
@@ -55,7 +57,10 @@ __all__ = [
     "SectionSettings",
     "get_averaging",
     "initialize",
+    "install",
+    "installed",
     "outer_state_file",
     "parse_section",
     "replica_checkpoint_dir",
+    "uninstall",
 ]

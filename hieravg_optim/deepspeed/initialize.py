@@ -4,12 +4,18 @@
 every rank (:func:`~hieravg_optim.deepspeed.local.check_locally`, no collective); agree across ranks, in one collective
 (:func:`_agree`); then build the engine, plain (:func:`_deepspeed_initialize`) or with
 the replica mpu and the averaging attached (:func:`_initialize_with_averaging`).
+
+:func:`install` makes every :func:`deepspeed.initialize` call of the process this :func:`initialize`:
+Hugging Face's ``Trainer``, ``accelerate`` and Lightning look ``deepspeed.initialize`` up on the
+``deepspeed`` module at the call. DeepSpeed's own function is kept (:func:`plain_initialize`), and
+:func:`uninstall` puts it back. ``python -m hieravg_optim.run`` calls :func:`install` before the script.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,9 +31,12 @@ from .local import Local, check_locally, find_config
 from .mpu import ReplicaParallelUnit
 from .section import SECTION, check_world_size
 
-__all__ = ["initialize"]
+__all__ = ["initialize", "install", "installed", "plain_initialize", "uninstall"]
 
 logger = logging.getLogger(__name__)
+
+_plain: Callable[..., Any] | None = None
+"""DeepSpeed's own ``deepspeed.initialize`` while :func:`install` is in effect; ``None`` otherwise."""
 
 _AGREEMENT = f'the "{SECTION}" section (ranks_per_replica resolved)'
 """What the ranks agree on in :func:`initialize`, as its error messages name it."""
@@ -120,8 +129,6 @@ def initialize(
             :class:`~hieravg_optim.HierarchicalAveragingOptimizer` (pass the inner optimizer; the
             section does the averaging).
     """
-    import deepspeed
-
     ds_kwargs: dict[str, Any] = dict(
         model=model,
         optimizer=optimizer,
@@ -153,8 +160,8 @@ def initialize(
         _init_distributed(ds_kwargs)
         _agree(local)
     if local.settings is None:
-        return deepspeed.initialize(args=args, config=config, config_params=config_params, **ds_kwargs)
-    if local.averaging_config is None:  # "enabled": false
+        return plain_initialize()(args=args, config=config, config_params=config_params, **ds_kwargs)
+    if local.averaging_config is None:  # "enabled": false, or no optimizer
         return _deepspeed_initialize(args, from_args, local.ds_config, ds_kwargs)
     averaging = local.averaging_config
     return _initialize_with_averaging(
@@ -209,8 +216,6 @@ def _deepspeed_initialize(
     args: Any, from_args: bool, ds_config: dict[str, Any], ds_kwargs: Mapping[str, Any], **extra: Any
 ):
     """:func:`deepspeed.initialize` with the config stripped of the section (``args``' config hidden meanwhile)."""
-    import deepspeed
-
     call = dict(ds_kwargs)
     call.update(extra)
     if from_args:
@@ -219,12 +224,12 @@ def _deepspeed_initialize(
             args.deepspeed_config = None
             if hasattr(args, "deepscale_config"):
                 args.deepscale_config = None
-            return deepspeed.initialize(args=args, config=ds_config, **call)
+            return plain_initialize()(args=args, config=ds_config, **call)
         finally:
             args.deepspeed_config = saved[0]
             if hasattr(args, "deepscale_config"):
                 args.deepscale_config = saved[1]
-    return deepspeed.initialize(args=args, config=ds_config, **call)
+    return plain_initialize()(args=args, config=ds_config, **call)
 
 
 def _initialize_with_averaging(
@@ -296,3 +301,86 @@ def _shard_over_world(engine: Any, dataloader: Any, training_data: Any, collate_
     )
     engine.training_dataloader = engine.deepspeed_io(training_data, data_sampler=world_sampler, collate_fn=collate_fn)
     return engine.training_dataloader
+
+
+def plain_initialize() -> Callable[..., Any]:
+    """DeepSpeed's own ``initialize``: the one :func:`install` replaced, else ``deepspeed.initialize``."""
+    import deepspeed
+
+    return _plain if _plain is not None else deepspeed.initialize
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect (``deepspeed.initialize`` is this library's)."""
+    return _plain is not None
+
+
+def install() -> bool:
+    """Make ``deepspeed.initialize`` honour the config's ``"hierarchical_averaging"`` section, in this process.
+
+    Sets the attribute ``deepspeed.initialize`` to :func:`hieravg_optim.deepspeed.initialize`
+    (same arguments, same return value), so that every call that looks it up on the module
+    (``deepspeed.initialize(...)`` in a script, HF ``Trainer`` and ``accelerate``
+    (``Accelerator._prepare_deepspeed``), Lightning's ``DeepSpeedStrategy`` and Fabric) builds its
+    engine with the averaging. An engine whose config has no section (or ``"enabled": false``), or
+    that gets no optimizer (HF's ZeRO-3 evaluation engine), is exactly what DeepSpeed builds. Rank 0
+    logs the levels at INFO, on the logger ``hieravg_optim.deepspeed.initialize``, for every engine
+    that averages.
+
+    Idempotent; local (no collective). Call it on every rank, before the framework builds the engine.
+
+    Returns:
+        True if this call installed it, False if it was already installed.
+
+    Warns:
+        UserWarning: naming each module global that is DeepSpeed's ``initialize`` bound by name
+            before this call (``from deepspeed import initialize``): calls through it ignore the
+            section. Import that module after :func:`install` (or launch with
+            ``python -m hieravg_optim.run``), or call ``deepspeed.initialize`` through the module.
+    """
+    global _plain
+    import deepspeed
+
+    if _plain is not None:
+        return False
+    original = deepspeed.initialize
+    bound = _bound_by_name(original)
+    _plain = original
+    deepspeed.initialize = initialize
+    if bound:
+        warn_at_caller(
+            f"{', '.join(bound)} {'is' if len(bound) == 1 else 'are'} deepspeed.initialize, bound by name before "
+            "hieravg_optim.deepspeed.install(): calls through "
+            f"{'it' if len(bound) == 1 else 'them'} ignore the \"hierarchical_averaging\" section. Call install() "
+            "before importing the module (or launch the script with python -m hieravg_optim.run), or call "
+            "deepspeed.initialize(...) through the module."
+        )
+    return True
+
+
+def uninstall() -> bool:
+    """Put DeepSpeed's own ``deepspeed.initialize`` back; engines already built keep their averaging.
+
+    Returns:
+        True if this call uninstalled it, False if it was not installed.
+    """
+    global _plain
+    import deepspeed
+
+    if _plain is None:
+        return False
+    deepspeed.initialize, _plain = _plain, None
+    return True
+
+
+def _bound_by_name(original: Callable[..., Any]) -> list[str]:
+    """``module.name`` of every module global, outside DeepSpeed, that is ``original``."""
+    found = []
+    for module_name, module in list(sys.modules.items()):
+        if module_name == "deepspeed" or module_name.startswith("deepspeed."):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        found += [f"{module_name}.{name}" for name, value in list(namespace.items()) if value is original]
+    return found

@@ -8,11 +8,13 @@ pipeline parallelism, no ``zero.Init`` model, the batch size of one replica, the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..agreement import raise_on_every_rank
 from ..config import AveragingConfig
@@ -20,6 +22,8 @@ from ..optimizer import HierarchicalAveragingOptimizer
 from .section import SECTION, SectionSettings, load_config, parse_section, resolve_ranks_per_replica
 
 __all__ = ["Local", "check_locally", "find_config"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -33,7 +37,8 @@ class Local:
     ds_config: dict[str, Any] | None = None
     """The config without the section, for DeepSpeed; ``None`` when the config has no section."""
     averaging_config: AveragingConfig | None = None
-    """The core config, ``ranks_per_replica`` resolved; ``None`` without a section or with ``"enabled": false``."""
+    """The core config, ``ranks_per_replica`` resolved; ``None`` without a section, with ``"enabled": false`` or
+    without an optimizer (DeepSpeed then builds its own engine)."""
 
 
 def find_config(args: Any, config: Any, config_params: Any) -> tuple[Any, bool]:
@@ -80,7 +85,7 @@ def check_locally(
             )
             if local.averaging_config is not None:
                 _check_empty_groups(optimizer, lr_scheduler)
-        if overrides and local.averaging_config is None:
+        if overrides and (local.settings is None or not local.settings.enabled):
             raise ValueError(
                 f"{', '.join(f'{k}={v!r}' for k, v in overrides.items())} given to initialize(), but the config has no "
                 f'enabled "{SECTION}" section: add one with "period_group_size", or drop the keyword.'
@@ -168,15 +173,18 @@ def _local_averaging_config(
             "hierarchical averaging does not support pipeline parallelism (PipelineModule). Use a plain "
             f'nn.Module, or remove the "{SECTION}" section.'
         )
+    if optimizer is None and "optimizer" not in ds_config:
+        # An engine that never steps (HF's ZeRO-3 evaluation engine): DeepSpeed's own, without the section.
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info('no optimizer given: the "%s" section does not apply to this engine', SECTION)
+        return None
     if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
         raise NotImplementedError(
             "the model was built under deepspeed.zero.Init, which partitions it over the whole world before "
-            "the replicas exist. Build it without zero.Init (ZeRO-3 still partitions it within each replica)."
-        )
-    if optimizer is None and "optimizer" not in ds_config:
-        raise ValueError(
-            "hierarchical averaging needs an optimizer to average after: pass optimizer=..., or give the "
-            'config an "optimizer" section.'
+            "the replicas exist. Build it without zero.Init (ZeRO-3 still partitions it within each replica): "
+            "HF Trainer: build the model before TrainingArguments (whose ZeRO-3 config turns zero.Init on in "
+            "from_pretrained/from_config); accelerate: zero3_init_flag=False (DeepSpeedPlugin, or "
+            "ACCELERATE_DEEPSPEED_ZERO3_INIT=false); Lightning: build the model in __init__, not configure_model."
         )
     rpr = resolve_ranks_per_replica(settings)
     averaging_config = settings.averaging_config(rpr)

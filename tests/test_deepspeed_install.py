@@ -1,0 +1,220 @@
+"""``hieravg_optim.deepspeed.install()``: ``deepspeed.initialize`` itself honours the section, on real engines.
+
+One spawn of 4 ranks (2 replicas of 2) runs every engine scenario, with ``install()`` in effect:
+
+* a config with the section: the engine averages (replica mpu, averaging attached), and rank 0
+  alone logs the levels once at INFO;
+* a config without the section, or with the section but no optimizer (HF's ZeRO-3 evaluation
+  engine): exactly DeepSpeed's engine, trained side by side with one built after ``uninstall()``,
+  parameters bitwise equal.
+
+Local tests: ``install`` / ``uninstall`` are idempotent and restore DeepSpeed's function; a module
+global bound by name before ``install`` is named in a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+
+from tests.harness import run_distributed, run_scenarios
+
+deepspeed = pytest.importorskip("deepspeed")
+
+WORLD = 4
+S = 2  # ranks per replica
+
+pytestmark = pytest.mark.timeout(600)
+
+SECTION = {"period_group_size": {"2": WORLD}, "ranks_per_replica": S, "synchronous_warmup": False}
+
+
+def _config(section=None, **extra):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 1},
+        **extra,
+    }
+    if section is not None:
+        cfg["hierarchical_averaging"] = section
+    return cfg
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _train(engine, rank, steps):
+    """``steps`` engine steps on this rank's own data; the full parameters after them."""
+    import torch
+
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x = torch.randn(4, 8, generator=g)
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _with_section(rank):
+    import torch
+    import torch.distributed as dist
+
+    import hieravg_optim.deepspeed as hds
+
+    logger = logging.getLogger("hieravg_optim.deepspeed.initialize")
+    records = _Records()
+    logger.addHandler(records)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        model = _model()
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=_config(SECTION)
+        )
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(old_level)
+    params = _train(engine, rank, 3)  # counts 0, 1, 2: averaging at 2
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, [p.tolist() for p in params])
+    state = hds.get_averaging(engine)
+    return {
+        "averaging": state is not None,
+        "count": state.step,
+        "dp_world_size": engine.dp_world_size,
+        "equal_after_round": all(g == gathered[0] for g in gathered),
+        "logs": [m for m in records.messages if m.startswith("hierarchical averaging on DeepSpeed")],
+    }
+
+
+def _plain_pair(rank, config, with_optimizer):
+    """The engine of ``config`` under install() and after uninstall(): whether each averages, and the parameters."""
+    import torch
+
+    import hieravg_optim.deepspeed as hds
+
+    out = {}
+    for label in ("installed", "uninstalled"):
+        if label == "uninstalled":
+            hds.uninstall()
+        try:
+            model = _model()
+            kwargs = {"optimizer": torch.optim.AdamW(model.parameters(), lr=0.01)} if with_optimizer else {}
+            engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config, **kwargs)
+            if with_optimizer:
+                params = _train(engine, rank, 3)
+            else:
+                with torch.no_grad():
+                    params = [engine(torch.ones(2, 8))]
+            out[label] = (hds.get_averaging(engine), engine.dp_world_size, type(optimizer).__name__, params)
+        finally:
+            hds.install()
+    return out
+
+
+def _no_section(rank):
+    out = _plain_pair(rank, _config(), True)
+    return _summary(out)
+
+
+def _no_optimizer(rank):
+    out = _plain_pair(rank, _config(SECTION, zero_optimization={"stage": 3}), False)
+    return _summary(out)
+
+
+def _summary(out):
+    (avg_a, dp_a, opt_a, p_a), (avg_b, dp_b, opt_b, p_b) = out["installed"], out["uninstalled"]
+    return {
+        "averaging": (avg_a is not None, avg_b is not None),
+        "dp_world_size": (dp_a, dp_b),
+        "optimizer": (opt_a, opt_b),
+        "bitwise_equal": all(a.equal(b) for a, b in zip(p_a, p_b)),
+    }
+
+
+def _install_scenarios(rank, world_size):
+    import hieravg_optim.deepspeed as hds
+
+    assert hds.install() is True
+    assert deepspeed.initialize is hds.initialize
+    try:
+        return run_scenarios(
+            # The plain engines first: DeepSpeed keeps the last engine's mpu (deepspeed.utils.groups.mpu) for
+            # every later engine of the process built without one.
+            {"no_section": _no_section, "no_optimizer": _no_optimizer, "with_section": _with_section}, rank
+        )
+    finally:
+        hds.uninstall()
+
+
+@pytest.fixture(scope="module")
+def installed_results():
+    return run_distributed(_install_scenarios, WORLD, timeout=420, pg_timeout=120)
+
+
+def test_installed_initialize_averages_with_the_section(installed_results):
+    for rank, out in enumerate(installed_results):
+        case = out["with_section"]
+        assert case["averaging"] and case["count"] == 3 and case["dp_world_size"] == S, (rank, case)
+        assert case["equal_after_round"], rank
+        assert len(case["logs"]) == (1 if rank == 0 else 0), (rank, case["logs"])
+    log = installed_results[0]["with_section"]["logs"][0]
+    assert "2 replicas of 2 ranks" in log and "levels [(2, 4)]" in log, log
+
+
+@pytest.mark.parametrize("case", ["no_section", "no_optimizer"])
+def test_installed_initialize_is_plain_deepspeed_without_section_or_optimizer(installed_results, case):
+    for rank, out in enumerate(installed_results):
+        got = out[case]
+        assert got["averaging"] == (False, False), (rank, got)
+        assert got["dp_world_size"] == (WORLD, WORLD), (rank, got)
+        assert got["optimizer"][0] == got["optimizer"][1], (rank, got)
+        assert got["bitwise_equal"], (rank, got)
+
+
+def test_install_and_uninstall_are_idempotent():
+    import hieravg_optim.deepspeed as hds
+    from hieravg_optim.deepspeed.initialize import plain_initialize
+
+    original = deepspeed.initialize
+    try:
+        assert hds.install() is True and hds.installed()
+        assert hds.install() is False and deepspeed.initialize is hds.initialize
+        assert plain_initialize() is original
+    finally:
+        assert hds.uninstall() is True
+    assert hds.uninstall() is False and not hds.installed()
+    assert deepspeed.initialize is original and plain_initialize() is original
+
+
+def test_install_warns_about_initialize_bound_by_name():
+    import hieravg_optim.deepspeed as hds
+
+    user = types.ModuleType("user_train_script")
+    user.initialize = deepspeed.initialize  # from deepspeed import initialize
+    sys.modules[user.__name__] = user
+    try:
+        with pytest.warns(UserWarning, match=r"user_train_script\.initialize is deepspeed\.initialize, bound by name"):
+            hds.install()
+    finally:
+        hds.uninstall()
+        del sys.modules[user.__name__]

@@ -1,0 +1,90 @@
+"""``python -m hieravg_optim.run SCRIPT ARGS...`` under ``torchrun -m``: an unchanged script gets the averaging.
+
+The script below is a plain DeepSpeed script (``from deepspeed import initialize``, a config with
+the section); launched through the runner on 4 ranks (2 replicas of 2) its engine averages, it
+runs as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` sets them, and
+rank 0 logs the levels once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import ROOT, check_ok, torchrun
+
+pytest.importorskip("deepspeed")
+
+pytestmark = pytest.mark.timeout(600)
+
+SCRIPT = '''
+import json, os, sys
+
+import torch
+import torch.distributed as dist
+from deepspeed import initialize  # bound by name: after the runner's install(), so it is the library's
+
+import hieravg_optim.deepspeed as hds
+
+config = {
+    "train_micro_batch_size_per_gpu": 4,
+    "steps_per_print": 10**9,
+    "zero_optimization": {"stage": 2},
+    "hierarchical_averaging": {"period_group_size": {"2": 4}, "ranks_per_replica": 2, "synchronous_warmup": False},
+}
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 4)
+engine, *_ = initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=config)
+rank = dist.get_rank()
+for step in range(3):  # counts 0, 1, 2: a round at 2
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+weights = [None] * dist.get_world_size()
+dist.all_gather_object(weights, engine.module.weight.tolist())
+state = hds.get_averaging(engine)
+print("RESULT " + json.dumps({
+    "rank": rank, "name": __name__, "argv": sys.argv, "path0": sys.path[0], "count": state.step,
+    "dp_world_size": engine.dp_world_size, "equal": all(w == weights[0] for w in weights),
+}), flush=True)
+'''
+
+
+def test_runner_under_torchrun_gives_an_unchanged_script_the_averaging(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    result = torchrun(4, "hieravg_optim.run", str(script), "--flag", "value", launcher_args=("-m",), timeout=300)
+    check_ok(result)
+    found = [json.loads(line.split("RESULT ", 1)[1]) for line in result.stdout.splitlines() if "RESULT " in line]
+    assert sorted(r["rank"] for r in found) == [0, 1, 2, 3], result.stdout
+    for r in found:
+        assert r["name"] == "__main__" and r["argv"] == [str(script), "--flag", "value"], r
+        assert r["path0"] == str(tmp_path), r
+        assert r["count"] == 3 and r["dp_world_size"] == 2 and r["equal"], r
+    logs = re.findall(r"hierarchical averaging on DeepSpeed: 2 replicas of 2 ranks.*levels \[\(2, 4\)\]", result.stderr)
+    assert len(logs) == 1, result.stderr[-4000:]
+
+
+def test_runner_moves_the_deepspeed_launchers_local_rank_after_the_script(tmp_path):
+    """``deepspeed --module hieravg_optim.run train.py A`` runs ``python -m hieravg_optim.run --local_rank=N train.py A``."""
+    script = tmp_path / "show_argv.py"
+    script.write_text("import json, sys\nprint('ARGV ' + json.dumps(sys.argv))\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "hieravg_optim.run", "--local_rank=3", str(script), "a", "--b"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f'ARGV {json.dumps([str(script), "--local_rank=3", "a", "--b"])}' in result.stdout, result.stdout
+
+
+def test_runner_without_a_script_prints_the_usage():
+    for args, code in (([], 2), (["/nonexistent/train.py"], 2), (["--help"], 0)):
+        result = subprocess.run(
+            [sys.executable, "-m", "hieravg_optim.run", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == code, (args, result.stderr)
+        assert "usage: python -m hieravg_optim.run SCRIPT [ARGS...]" in result.stderr, result.stderr
