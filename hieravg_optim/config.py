@@ -64,7 +64,7 @@ FIELD_CHECKS: dict[str, FieldCheck] = {
     ),
     "synchronous_warmup": FieldCheck(is_bool, "True or False", json="true or false", show_type=True),
     "ranks_per_replica": FieldCheck(
-        is_positive_int, "a positive integer (ranks)", json='a positive integer (ranks) or "auto"'
+        is_positive_int, "a positive integer (ranks)", json='a positive integer (ranks), "auto" or "local_world_size" (the ranks of one node)'
     ),
     "ranks_per_node": FieldCheck(
         lambda v: v is None or is_positive_int(v),

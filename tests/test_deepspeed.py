@@ -374,9 +374,10 @@ def _bad_world_case(rank):
         "replica_not_dividing_world": ({"period_group_size": {"2": 4}, "ranks_per_replica": 3}, {}),
         # "auto" is LOCAL_WORLD_SIZE (4 here): the error must say where the 4 came from.
         "auto_resolved_to_node": ({"period_group_size": {"2": 2, "4": 4}}, {}),
-        "train_batch_size_counts_world": (
+        # Neither one replica's count (8) nor the world's (16, rewritten: tests/test_deepspeed_install.py).
+        "train_batch_size_mismatch": (
             {"period_group_size": {"2": 4}, "ranks_per_replica": 2},
-            {"train_batch_size": 16},
+            {"train_batch_size": 12},
         ),
     }
     out = {}
@@ -648,13 +649,13 @@ def test_bad_world_dependent_sections_raise_value_error(results):
         "group_not_multiple_of_replica": "multiple of ranks_per_replica",
         "replica_not_dividing_world": "must divide the size of the process group",
         "auto_resolved_to_node": '"ranks_per_replica": "auto" resolved to 4 from LOCAL_WORLD_SIZE=4',
-        "train_batch_size_counts_world": "train_batch_size=16",
+        "train_batch_size_mismatch": "train_batch_size=12",
     }
     for rank, per_rank in enumerate(results):
         for label, fragment in expected.items():
             message = per_rank["bad_world"][label]
             assert message.startswith("ValueError") and fragment in message, (rank, label, message)
-            if label != "train_batch_size_counts_world":  # a key of DeepSpeed's own, not of the section
+            if label != "train_batch_size_mismatch":  # a key of DeepSpeed's own, not of the section
                 assert 'DeepSpeed config section "hierarchical_averaging"' in message, (rank, label, message)
 
 

@@ -151,6 +151,74 @@ def _summary(out):
     }
 
 
+def _captured(fn, name="hieravg_optim.deepspeed.local"):
+    """``fn()`` and the INFO messages of logger ``name`` meanwhile."""
+    logger = logging.getLogger(name)
+    records = _Records()
+    logger.addHandler(records)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        return fn(), records.messages
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(old_level)
+
+
+def _world_batch_size(rank):
+    """``"train_batch_size"`` counted over the world (HF and accelerate fill ``"auto"`` so): one replica's."""
+    import torch
+
+    model = _model()
+    config = _config(SECTION, train_batch_size=4 * 1 * WORLD)
+    (engine, *_), logs = _captured(
+        lambda: deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=config)
+    )
+    return {"train_batch_size": engine.train_batch_size(), "logs": [m for m in logs if "train_batch_size" in m]}
+
+
+def _local_world_size_and_iterator(rank):
+    """``"ranks_per_replica": "local_world_size"`` (LOCAL_WORLD_SIZE=2 here) and ``model_parameters`` an iterator."""
+    import torch.distributed as dist
+
+    import hieravg_optim.deepspeed as hds
+
+    model = _model()
+    initial = [p.detach().clone() for p in model.parameters()]
+    section = {**SECTION, "ranks_per_replica": "local_world_size"}
+    optimizer = {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=filter(lambda p: p.requires_grad, model.parameters()),  # as Lightning passes them
+        config=_config(section, optimizer=optimizer),
+    )
+    params = _train(engine, rank, 3)  # a round at count 2
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, [p.tolist() for p in params])
+    state = hds.get_averaging(engine)
+    return {
+        "ranks_per_replica": state.config.ranks_per_replica,
+        "dp_world_size": engine.dp_world_size,
+        "count": state.step,
+        "parameters_trained": sum(not p.equal(q) for p, q in zip(params, initial)),
+        "equal_after_round": all(g == gathered[0] for g in gathered),
+    }
+
+
+def _zero_init_model(rank):
+    """A model built under deepspeed.zero.Init over the world: an error on every rank, naming the fixes."""
+    import torch
+
+    config = _config(SECTION, zero_optimization={"stage": 3})
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = _model()
+    try:
+        deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=config)
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
 def _install_scenarios(rank, world_size):
     import hieravg_optim.deepspeed as hds
 
@@ -160,7 +228,15 @@ def _install_scenarios(rank, world_size):
         return run_scenarios(
             # The plain engines first: DeepSpeed keeps the last engine's mpu (deepspeed.utils.groups.mpu) for
             # every later engine of the process built without one.
-            {"no_section": _no_section, "no_optimizer": _no_optimizer, "with_section": _with_section}, rank
+            {
+                "no_section": _no_section,
+                "no_optimizer": _no_optimizer,
+                "with_section": _with_section,
+                "world_batch_size": _world_batch_size,
+                "local_world_size_and_iterator": _local_world_size_and_iterator,
+                "zero_init_model": _zero_init_model,
+            },
+            rank,
         )
     finally:
         hds.uninstall()
@@ -168,7 +244,8 @@ def _install_scenarios(rank, world_size):
 
 @pytest.fixture(scope="module")
 def installed_results():
-    return run_distributed(_install_scenarios, WORLD, timeout=420, pg_timeout=120)
+    # LOCAL_WORLD_SIZE=2: two "nodes" of 2 ranks, for "ranks_per_replica": "local_world_size".
+    return run_distributed(_install_scenarios, WORLD, timeout=420, pg_timeout=120, env={"LOCAL_WORLD_SIZE": "2"})
 
 
 def test_installed_initialize_averages_with_the_section(installed_results):
@@ -189,6 +266,37 @@ def test_installed_initialize_is_plain_deepspeed_without_section_or_optimizer(in
         assert got["dp_world_size"] == (WORLD, WORLD), (rank, got)
         assert got["optimizer"][0] == got["optimizer"][1], (rank, got)
         assert got["bitwise_equal"], (rank, got)
+
+
+def test_train_batch_size_of_the_world_is_rewritten_to_one_replicas(installed_results):
+    for rank, out in enumerate(installed_results):
+        case = out["world_batch_size"]
+        assert case["train_batch_size"] == 4 * 1 * S, (rank, case)
+        assert len(case["logs"]) == (1 if rank == 0 else 0), (rank, case)
+    assert "train_batch_size 16 counts the world (4 ranks)" in installed_results[0]["world_batch_size"]["logs"][0]
+
+
+def test_local_world_size_spelling_and_model_parameters_iterator(installed_results):
+    for rank, out in enumerate(installed_results):
+        case = out["local_world_size_and_iterator"]
+        assert case["ranks_per_replica"] == 2 and case["dp_world_size"] == 2 and case["count"] == 3, (rank, case)
+        assert case["parameters_trained"] == 4 and case["equal_after_round"], (rank, case)
+
+
+def test_model_built_under_zero_init_raises_on_every_rank_naming_the_fix(installed_results):
+    for rank, out in enumerate(installed_results):
+        message = out["zero_init_model"]
+        assert message.startswith("NotImplementedError: the model was built under deepspeed.zero.Init"), message
+        assert "zero3_init_flag=False" in message and "before TrainingArguments" in message, message
+
+
+def test_unknown_ranks_per_replica_string_names_the_accelerate_spelling():
+    from hieravg_optim.deepspeed.section import parse_section
+
+    with pytest.raises(ValueError, match='"local_world_size".*accelerate') as info:
+        parse_section({"period_group_size": {"4": 4}, "ranks_per_replica": "node"})
+    assert "'node'" in str(info.value)
+    assert parse_section({"period_group_size": {"4": 4}, "ranks_per_replica": "local_world_size"}).ranks_per_replica is None
 
 
 def test_install_and_uninstall_are_idempotent():

@@ -9,6 +9,7 @@ pipeline parallelism, no ``zero.Init`` model, the batch size of one replica, the
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -114,16 +115,45 @@ def _with_overrides(section: Any, overrides: Mapping[str, Any] | None) -> Any:
     return {**section, **overrides}
 
 
-def _check_batch_size(ds_config: Mapping[str, Any], dp_size: int) -> None:
+def _check_batch_size(ds_config: dict[str, Any], dp_size: int) -> None:
+    """``train_batch_size`` must count one replica; one counted over the world is rewritten (in place) to that.
+
+    HF ``Trainer`` and ``accelerate`` fill ``"train_batch_size": "auto"`` as micro batch x
+    accumulation x world size; DeepSpeed's data-parallel group is one replica.
+
+    Raises:
+        ValueError: for any other value that is not micro batch x accumulation x ``dp_size``.
+    """
     tb = ds_config.get("train_batch_size")
     mb = ds_config.get("train_micro_batch_size_per_gpu")
     gas = ds_config.get("gradient_accumulation_steps")
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in (tb, mb, gas)) and tb != mb * gas * dp_size:
-        raise ValueError(
-            f"train_batch_size={tb} must equal train_micro_batch_size_per_gpu ({mb}) x gradient_accumulation_steps "
-            f"({gas}) x the ranks of one replica ({dp_size}) = {mb * gas * dp_size}: with hierarchical averaging, "
-            "DeepSpeed's data-parallel group is one replica. Remove train_batch_size or set it to that value."
-        )
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (tb, mb, gas)) or tb == mb * gas * dp_size:
+        return
+    world = _world_size()
+    if world is not None and tb == mb * gas * world:
+        ds_config["train_batch_size"] = mb * gas * dp_size
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info(
+                "train_batch_size %d counts the world (%d ranks); hierarchical averaging makes one replica of %d ranks "
+                "DeepSpeed's data-parallel group: train_batch_size set to %d (micro batch %d x accumulation %d x %d)",
+                tb, world, dp_size, mb * gas * dp_size, mb, gas, dp_size,
+            )  # fmt: skip
+        return
+    raise ValueError(
+        f"train_batch_size={tb} must equal train_micro_batch_size_per_gpu ({mb}) x gradient_accumulation_steps "
+        f"({gas}) x the ranks of one replica ({dp_size}) = {mb * gas * dp_size}: with hierarchical averaging, "
+        "DeepSpeed's data-parallel group is one replica (the world's count, "
+        f"{'unknown' if world is None else mb * gas * world}, is rewritten to it). Remove train_batch_size or set it "
+        "to that value."
+    )
+
+
+def _world_size() -> int | None:
+    """The world size: the default group's, else ``WORLD_SIZE`` as the launcher set it; ``None`` if unknown."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    found = os.environ.get("WORLD_SIZE", "")
+    return int(found) if found.isdigit() and int(found) > 0 else None
 
 
 def _check_empty_groups(optimizer: Any, lr_scheduler: Any) -> None:

@@ -40,6 +40,10 @@ __all__ = [
 SECTION = "hierarchical_averaging"
 """The top-level key of the DeepSpeed config this adapter reads (and removes before DeepSpeed sees it)."""
 
+AUTO_SPELLINGS = ("auto", "local_world_size")
+"""The values of ``"ranks_per_replica"`` that mean the ranks of one node. ``"local_world_size"`` passes
+accelerate, which raises on every ``"auto"`` string of a DeepSpeed config that it does not fill itself."""
+
 _JSON_KEY = {"levels": "period_group_size", "outer_optimizers": "outer_optimizer"}
 """The fields of :class:`AveragingConfig` whose JSON key is another name."""
 
@@ -154,12 +158,19 @@ def parse_section(section: Any) -> SectionSettings:
     if not isinstance(pgs, Mapping):
         raise _bad("period_group_size", pgs, 'a JSON object {"period": group_size}, e.g. {"4": 8, "16": 16}')
     rpr = section.get("ranks_per_replica", "auto")
+    if isinstance(rpr, str) and rpr not in AUTO_SPELLINGS:
+        raise _bad(
+            "ranks_per_replica",
+            rpr,
+            'a positive integer (ranks), or "auto" or "local_world_size" (the ranks of one node; accelerate '
+            'raises on "auto" values it does not fill itself, so use "local_world_size" there)',
+        )
     enabled, average_buffers = section.get("enabled", True), section.get("average_buffers", True)
     outer = section.get("outer_optimizer")
     try:
         for key, value in (("enabled", enabled), ("average_buffers", average_buffers)):
             _FLAG(key, value)
-        if rpr not in ("auto", None):
+        if rpr not in (*AUTO_SPELLINGS, None):
             FIELD_CHECKS["ranks_per_replica"]("ranks_per_replica", rpr)
         periods = [lv.period for lv in parse_levels(pgs)]
     except (TypeError, ValueError) as err:
@@ -175,7 +186,7 @@ def parse_section(section: Any) -> SectionSettings:
                 '"params": {"lr": 0.7, "momentum": 0.9, "nesterov": true}}}.'
             )
     settings = {k: section[k] for k in _SETTINGS if k in section}
-    ranks_per_replica = None if rpr in ("auto", None) else int(rpr)
+    ranks_per_replica = None if rpr in (*AUTO_SPELLINGS, None) else int(rpr)
     try:
         config = AveragingConfig.create(
             pgs,
@@ -315,7 +326,8 @@ def _parse_outer_optimizer(value: Any, keys: dict[int, Any]) -> dict[int, dict[s
 
 
 def resolve_ranks_per_replica(settings: SectionSettings) -> int:
-    """The section's ``ranks_per_replica``; ``"auto"``: ``LOCAL_WORLD_SIZE`` (torchrun), else ``LOCAL_SIZE``.
+    """The section's ``ranks_per_replica``; ``"auto"`` (or ``"local_world_size"``): ``LOCAL_WORLD_SIZE`` (torchrun),
+    else ``LOCAL_SIZE``.
 
     Raises:
         ValueError: for ``"auto"`` when neither variable is set to a positive integer.
@@ -325,7 +337,8 @@ def resolve_ranks_per_replica(settings: SectionSettings) -> int:
     ranks, _ = local_world_size()
     if ranks is None:
         raise ValueError(
-            f'DeepSpeed config section "{SECTION}": key "ranks_per_replica" is "auto" (the ranks of one node), but '
+            f'DeepSpeed config section "{SECTION}": key "ranks_per_replica" is "auto" or "local_world_size" (the ranks '
+            'of one node), but '
             "neither LOCAL_WORLD_SIZE (torchrun) nor LOCAL_SIZE (deepspeed launcher) is set. Set "
             '"ranks_per_replica" to a number of ranks.'
         )
