@@ -20,7 +20,9 @@ of a CPU device. Everything else is Lightning's and DeepSpeed's own code: the st
   ``trainer.global_step`` and the engine's ``global_steps``; a resume from the checkpoint after epoch 2
   (between rounds) ends where the uninterrupted run ended (allclose 1e-6), count included.
 * ``lightning_zero3``: ZeRO-3 with the layers built in ``configure_model`` (Lightning wraps it in
-  ``deepspeed.zero.Init`` over the world).
+  ``deepspeed.zero.Init`` over the world): ``NotImplementedError`` on every rank naming the fix; with the
+  model built in ``__init__`` instead, ZeRO-3 trains and the count is the global step.
+* ``callback_under_deepspeed``: the DDP callback under ``DeepSpeedStrategy``: ``TypeError`` naming ``install()``.
 * ``fabric``: the same checks, briefly, through ``Fabric.setup`` / ``Fabric.save`` / ``Fabric.load``, stepping
   with ``fabric.strategy.model.step()`` (the engine); ``optimizer.step()`` raises on every rank: Fabric 2.6
   would step DeepSpeed's optimizer directly, bypassing the engine's step and so the averaging.
@@ -113,9 +115,10 @@ def _module_class():
     from hieravg_optim.deepspeed import get_averaging
 
     class Regression(pl.LightningModule):
-        def __init__(self, in_configure_model: bool = False):
+        def __init__(self, in_configure_model: bool = False, zero3_in_init: bool = False):
             super().__init__()
             self.in_configure_model = in_configure_model
+            self.partitioned = in_configure_model or zero3_in_init  # ZeRO-3: no whole parameters to record
             self.net = None if in_configure_model else _net()
             self.records: list[tuple[int, int, int, list[float]]] = []
 
@@ -131,7 +134,7 @@ def _module_class():
             engine = self.trainer.strategy.deepspeed_engine
             averaging = get_averaging(engine)
             count = -1 if averaging is None else averaging.averager.step
-            params = [] if self.in_configure_model else _flat(self.net)
+            params = [] if self.partitioned else _flat(self.net)
             self.records.append((self.trainer.global_step, engine.global_steps, count, params))
 
         def configure_optimizers(self):
@@ -209,6 +212,9 @@ def _ranks(rank: int, world_size: int, folder: str) -> dict:
         model = Regression(in_configure_model=True)
         trainer = _trainer(folder / "pl3", CPUDeepSpeedStrategy(config=_config(3)), epochs=1)
         out["zero3"] = _outcome(lambda: trainer.fit(model), model.records)
+        model = Regression(zero3_in_init=True)  # the fix the error names: the model built in __init__
+        trainer = _trainer(folder / "pl3_init", CPUDeepSpeedStrategy(config=_config(3)), epochs=1)
+        out["zero3_in_init"] = _outcome(lambda: trainer.fit(model), model.records)
 
     def setup():
         from lightning.fabric import Fabric
@@ -244,6 +250,13 @@ def _ranks(rank: int, world_size: int, folder: str) -> dict:
 
         out["fabric_resumed"] = _outcome(resume, resumed)
 
+    def callback_under_deepspeed(rank: int):
+        from hieravg_optim.lightning import HierarchicalAveraging
+
+        trainer = _trainer(folder / "cb", CPUDeepSpeedStrategy(config=_config(2)), epochs=1)
+        trainer.callbacks.append(HierarchicalAveraging(SECTION))
+        out["callback_under_deepspeed"] = _outcome(lambda: trainer.fit(Regression()), [])
+
     def bad(rank: int):
         trainer = _trainer(folder / "bad", CPUDeepSpeedStrategy(config=_config(2, period=3)), epochs=1)
         try:
@@ -254,6 +267,7 @@ def _ranks(rank: int, world_size: int, folder: str) -> dict:
             out["bad"] = None
 
     scenarios = {"lightning": lightning, "lightning_resume": lightning_resume, "lightning_zero3": lightning_zero3}
+    scenarios["callback_under_deepspeed"] = callback_under_deepspeed
     scenarios.update(fabric_optimizer_step=fabric_optimizer_step, fabric=fabric, fabric_resume=fabric_resume, bad=bad)
     run_scenarios(scenarios, rank)
     return out
@@ -305,6 +319,18 @@ def test_lightning_zero3_configure_model_errors_clearly(outputs):
         assert kind == "error", (rank, message)
         for text in ("NotImplementedError", "deepspeed.zero.Init", "Lightning", "configure_model"):
             assert text in message, (rank, message)
+
+
+def test_lightning_zero3_model_built_in_init(outputs):
+    """The fix the error names: under ZeRO-3 with the model built in __init__, it averages; count == global step."""
+    for rank, (kind, records) in enumerate(o["zero3_in_init"] for o in outputs):
+        assert kind == "ok", (rank, records)
+        assert [r[:3] for r in records] == [(i + 1,) * 3 for i in range(STEPS_PER_EPOCH)], (rank, records)
+
+
+def test_ddp_callback_refuses_deepspeed_strategy(outputs):
+    for rank, (kind, message) in enumerate(o["callback_under_deepspeed"] for o in outputs):
+        assert kind == "error" and "TypeError" in message and "install()" in message, (rank, message)
 
 
 def test_fabric_deepspeed_strategy(outputs):
