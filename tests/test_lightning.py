@@ -18,7 +18,11 @@ One spawn of 4 ranks (Lightning is imported in those 4 processes only). In each 
   rank), Lightning's own ``model_averaging_period`` set too, two optimizers: a clear error on every rank,
   no hang.
 
-Runtime budget: about 60 s on 2 cores (one spawn).
+And one real launch: ``HIERAVG_LIGHTNING_CONFIG=... torchrun --nproc_per_node 4 tests/lightning_train.py``, a
+script that never names this library, with the dist-info on ``PYTHONPATH``: every rank's count is the global
+step and the rounds are the schedule's.
+
+Runtime budget: about 60 s on 2 cores (one spawn, one torchrun).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import pytest
 import torch
 
 from tests.harness import default_timeout, run_distributed, run_scenarios
+from tests.launch import check_ok, torchrun
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed"),
@@ -57,6 +62,15 @@ def _entry_points_txt() -> str:
         f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in entries.items()) + "\n"
         for group, entries in groups.items()
     )
+
+
+def _write_dist_info(site: Path) -> Path:
+    """A ``hieravg_optim`` dist-info under ``site`` with this repository's entry points, as pip writes it."""
+    dist_info = site / "hieravg_optim-0.1.0.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: hieravg_optim\nVersion: 0.1.0\n")
+    (dist_info / "entry_points.txt").write_text(_entry_points_txt())
+    return site
 
 
 def _module_class():
@@ -149,18 +163,15 @@ def _ranks(rank: int, world_size: int, folder: str) -> dict:
     out: dict = {}
 
     def entry_point(rank: int):
-        dist_info = folder / f"site_{rank}" / "hieravg_optim-0.1.0.dist-info"
-        dist_info.mkdir(parents=True)
-        (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: hieravg_optim\nVersion: 0.1.0\n")
-        (dist_info / "entry_points.txt").write_text(_entry_points_txt())
+        site = _write_dist_info(folder / f"site_{rank}")
         config_file = folder / f"hieravg_{rank}.json"
         config_file.write_text(json.dumps({"hierarchical_averaging": SECTION}))  # a whole config holding it
-        sys.path.insert(0, str(dist_info.parent))
+        sys.path.insert(0, str(site))
         os.environ[hl.CONFIG_ENV] = str(config_file)
         try:
             trainer = _trainer(folder / "run", [], checkpoints=True)
         finally:
-            sys.path.remove(str(dist_info.parent))
+            sys.path.remove(str(site))
             del os.environ[hl.CONFIG_ENV]
         found = [cb for cb in trainer.callbacks if isinstance(cb, hl.HierarchicalAveraging)]
         assert len(found) == 1, trainer.callbacks
@@ -250,3 +261,22 @@ def test_bad_settings_raise_on_every_rank(outputs):
         messages = [o[key] for o in outputs]
         assert all(m for m in messages), key
     assert "ValueError" in outputs[0]["bad_levels"] and "TypeError" not in outputs[0]["bad_key"]
+
+
+def test_torchrun_launch_of_an_unchanged_script(tmp_path):
+    """``HIERAVG_LIGHTNING_CONFIG=... torchrun --nproc_per_node 4 train.py``: the entry point (a dist-info on
+    PYTHONPATH) is found by a script that never names this library; count == global step, rounds as scheduled."""
+    from hieravg_optim import AveragingLevel, rounds_per_level
+
+    site = _write_dist_info(tmp_path / "site")
+    result = torchrun(
+        WORLD, ROOT / "tests" / "lightning_train.py", timeout=240,
+        extra_env={"HIERAVG_LIGHTNING_CONFIG": json.dumps(SECTION), "PYTHONPATH": str(site), "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    check_ok(result)
+    steps = 2 * STEPS_PER_EPOCH
+    expected = rounds_per_level(0, steps, [AveragingLevel(PERIOD, WORLD)], warmup_steps=WARMUP)
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert lines == [
+        f"rank {r}: global step {steps}, count {steps}, rounds {{{PERIOD}: {expected[0]}}}" for r in range(WORLD)
+    ], result.stdout + result.stderr[-3000:]
