@@ -76,7 +76,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 ENGINE_TAG = "engine"
-"""DeepSpeed's checkpoint tag inside each step_<N> folder: <dir>/step_<N>/replica_<k>/engine/."""
+"""DeepSpeed's checkpoint tag inside each step_<N> folder: <dir>/step_<N>/engine/replica_<k>/."""
 
 
 def full_parameters(engine) -> list[torch.Tensor]:
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             return
 
         def write(folder: str) -> None:
-            engine.save_checkpoint(folder, tag=ENGINE_TAG, save_latest=False)  # collective; folder/replica_<k>/
+            engine.save_checkpoint(folder, tag=ENGINE_TAG, save_latest=False)  # collective; folder/engine/replica_<k>/
             save_rank_state(folder, rank, {
                 "rng": torch.get_rng_state(),
                 "progress": {"step": p.step, "epoch_loss": p.epoch_loss, "loss_curve": list(p.loss_curve)},

@@ -424,7 +424,7 @@ def _deepspeed_missing_replica(rank: int, folder: str) -> str:
     _micro_step(engine, rank, 0)
     engine.save_checkpoint(folder, tag="t1")
     if rank == 0:
-        shutil.rmtree(os.path.join(folder, "replica_1"))
+        shutil.rmtree(os.path.join(folder, "t1", "replica_1"))
     dist.barrier()
     _, message, seconds = _raises(lambda: build().load_checkpoint(folder), RuntimeError)
     assert seconds < 120, seconds
@@ -449,7 +449,8 @@ def test_deepspeed_section_differing_across_ranks_raises_on_every_rank(tmp_path)
         assert "'warmup_steps': 0" in warm and "'warmup_steps': 3" in warm and "rank 3" in warm, warm
         text = r["string_number_on_rank_2"]
         if rank == 2:
-            assert 'key "ranks_per_replica" must be a positive integer (ranks) or "auto", got \'2\'' in text, text
+            assert 'key "ranks_per_replica" must be a positive integer (ranks), or "auto" or "local_world_size"' in text
+            assert "got '2' (str)" in text, text
         else:
             assert text.startswith("RuntimeError: Rank 2 failed while checking"), text
         disabled = r["disabled_on_rank_0"]

@@ -343,7 +343,8 @@ def _checkpoint_case(rank, name, stage, prec, folder):
         "count_resumed": hds.get_averaging(resumed).step,
         "client_state": {k: v for k, v in client.items() if k == "mine"},
         "our_key_hidden": "hierarchical_averaging" not in client,
-        "replica_dirs": sorted(os.listdir(folder)),
+        "top": sorted(os.listdir(folder)),
+        "replica_dirs": sorted(d for d in os.listdir(os.path.join(folder, "t3")) if d.startswith("replica_")),
         "loaded_from": os.path.relpath(path, folder) if path else None,
     }
 
@@ -610,8 +611,8 @@ def test_checkpoint_resume_equals_uninterrupted(results, case):
         assert r["count_loaded"] == 3 and r["count"] == 6 == r["count_resumed"], (rank, r)
         assert r["equal"], f"rank {rank} {case}: resumed run differs from the uninterrupted one"
         assert r["client_state"] == {"mine": 7} and r["our_key_hidden"], r
-        assert r["replica_dirs"] == ["replica_0", "replica_1"], r
-        assert r["loaded_from"].startswith(f"replica_{rank // S}"), r
+        assert r["top"] == ["latest", "t3"] and r["replica_dirs"] == ["replica_0", "replica_1"], r
+        assert r["loaded_from"].startswith(f"t3/replica_{rank // S}/"), r
 
 
 @pytest.mark.parametrize("stage", [1, 3])

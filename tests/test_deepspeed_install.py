@@ -219,6 +219,56 @@ def _zero_init_model(rank):
     return "no error"
 
 
+def _earlier_layout_loads(rank):
+    """A checkpoint moved into the earlier layout, <dir>/replica_<k>/<tag>/ with a latest each, still loads."""
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    import hieravg_optim.deepspeed as hds
+
+    def build():
+        model = _model()
+        return deepspeed.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=_config(SECTION)
+        )[0]
+
+    names = [None]
+    if rank == 0:
+        names[0] = tempfile.mkdtemp(prefix="hieravg-layout-")
+    dist.broadcast_object_list(names, src=0)
+    folder = names[0]
+    engine = build()
+    saved = _train(engine, rank, 3)
+    engine.save_checkpoint(folder, tag="t3")
+    new_layout = sorted(os.listdir(folder)), sorted(os.listdir(os.path.join(folder, "t3")))
+    dist.barrier()
+    if rank == 0:
+        for k in range(WORLD // S):
+            os.makedirs(os.path.join(folder, f"replica_{k}"))
+            shutil.move(os.path.join(folder, "t3", f"replica_{k}"), os.path.join(folder, f"replica_{k}", "t3"))
+            with open(os.path.join(folder, f"replica_{k}", "latest"), "w") as fd:
+                fd.write("t3")
+        shutil.rmtree(os.path.join(folder, "t3"))
+        os.remove(os.path.join(folder, "latest"))
+    dist.barrier()
+    resumed = build()
+    path, _ = resumed.load_checkpoint(folder)
+    out = {
+        "new_layout": new_layout,
+        "loaded_from": os.path.relpath(path, folder),
+        "count": hds.get_averaging(resumed).step,
+        "equal": all(a.equal(b) for a, b in zip(saved, resumed.module.parameters())),
+    }
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder)
+    return out
+
+
 def _install_scenarios(rank, world_size):
     import hieravg_optim.deepspeed as hds
 
@@ -235,6 +285,7 @@ def _install_scenarios(rank, world_size):
                 "world_batch_size": _world_batch_size,
                 "local_world_size_and_iterator": _local_world_size_and_iterator,
                 "zero_init_model": _zero_init_model,
+                "earlier_layout_loads": _earlier_layout_loads,
             },
             rank,
         )
@@ -288,6 +339,15 @@ def test_model_built_under_zero_init_raises_on_every_rank_naming_the_fix(install
         message = out["zero_init_model"]
         assert message.startswith("NotImplementedError: the model was built under deepspeed.zero.Init"), message
         assert "zero3_init_flag=False" in message and "before TrainingArguments" in message, message
+
+
+def test_checkpoint_of_the_earlier_layout_still_loads(installed_results):
+    for rank, out in enumerate(installed_results):
+        case = out["earlier_layout_loads"]
+        top, in_tag = case["new_layout"]
+        assert top == ["latest", "t3"] and {"replica_0", "replica_1"} <= set(in_tag), case
+        assert case["loaded_from"].startswith(f"replica_{rank // S}/t3/"), case
+        assert case["count"] == 3 and case["equal"], (rank, case)
 
 
 def test_unknown_ranks_per_replica_string_names_the_accelerate_spelling():

@@ -280,7 +280,7 @@ def _resume_case(rank, stage, prec, folder):
     for step in range(3, 6):
         _step(resumed, rank, step)
     after = _full_module(resumed)
-    tag_dir = os.path.join(folder, f"replica_{rank // S}", "t3")
+    tag_dir = os.path.join(folder, "t3", f"replica_{rank // S}")
     anchors_everywhere = _gather(saved_anchors)
     first = (rank // S) * S  # the first rank of this replica
     return {
@@ -322,7 +322,7 @@ def _resume_edges_case(rank, folder):
     engine.save_checkpoint(os.path.join(folder, "outer"), tag="t5")
     dist.barrier()
     if rank == 3:
-        os.remove(outer_state_file(os.path.join(folder, "outer", "replica_1", "t5"), 1))
+        os.remove(outer_state_file(os.path.join(folder, "outer", "t5", "replica_1"), 1))
     dist.barrier()
     fresh, _ = _build(1, "fp32", _section(NESTEROV))
     try:
@@ -365,7 +365,7 @@ def _load_mismatch_case(rank, folder):
     dist.barrier()
     for tag, bad_rank, change in cases:
         if rank == bad_rank:
-            path = outer_state_file(os.path.join(folder, f"replica_{rank // S}", tag), rank % S)
+            path = outer_state_file(os.path.join(folder, tag, f"replica_{rank // S}"), rank % S)
             saved = torch.load(path, weights_only=True)
             change(saved["outer"][PERIOD])
             torch.save(saved, path)
@@ -639,7 +639,7 @@ def test_outer_state_not_fitting_the_masters_raises_at_load_on_every_rank(result
                 assert message.startswith(f"RuntimeError: Rank {bad_rank} failed"), (rank, tag, message)
             else:
                 assert message.startswith("ValueError: Loading the averaging state of the checkpoint "), message
-                assert f"replica_{rank // S}/{tag}/" in message, message
+                assert f"{tag}/replica_{rank // S}/" in message, message
                 assert f"hierarchical_averaging_outer_dp_rank_{rank % S}.pt" in message, message
                 assert "The outer state of period 2 in the averaging state dict" in message, message
                 assert "Resume with the model, trainable parameters, ZeRO stage and ranks_per_replica" in message

@@ -182,7 +182,7 @@ def test_deepspeed_example_resumed_equals_the_uninterrupted_run(tmp_path):
         assert metrics[key] == ref[key], f"{key}: {metrics[key]} resumed, {ref[key]} uninterrupted"
     assert ref["rounds_per_level"] == {"3": 10} and ref["averaging_steps"] == 30
     for replica in range(2):  # the last checkpoint: each replica's module and averaging count
-        path = f"step_00000030/replica_{replica}/engine/mp_rank_00_model_states.pt"
+        path = f"step_00000030/engine/replica_{replica}/mp_rank_00_model_states.pt"
         a, b = (torch.load(d / path, weights_only=False) for d in (ref_dir, resumed_dir))
         assert a["hierarchical_averaging"]["step"] == b["hierarchical_averaging"]["step"] == 30
         assert a["global_steps"] == b["global_steps"] == 30

@@ -1,13 +1,15 @@
 """Per-replica DeepSpeed checkpoints: the folders, the per-rank outer state files, atomic saves.
 
-Replicas differ between averagings, so each one keeps its DeepSpeed checkpoint in
-``<dir>/replica_<k>/``, with the averaging state in the ``client_state`` under
-:data:`CHECKPOINT_KEY`. The outer optimizer state (anchors and outer optimizer, one ZeRO
-partition per rank) goes into one file per rank next to DeepSpeed's per-rank files,
-``<dir>/replica_<k>/<tag>/`` :func:`outer_state_file`: DeepSpeed writes the ``client_state`` of
-ZeRO 0-2 from the first rank of the data-parallel group only, and every rank reads that one.
-The engine's ``save_checkpoint`` and ``load_checkpoint`` are wrapped to use them in
-:mod:`hieravg_optim.deepspeed.hooks`.
+Replicas differ between averagings, so each one keeps its own DeepSpeed files, inside the
+checkpoint's tag folder where frameworks look for it (HF ``Trainer``: ``<dir>/global_step*``;
+Lightning: ``<dir>/checkpoint``): ``<dir>/<tag>/replica_<k>/`` (:func:`replica_checkpoint_dir`),
+with ``<dir>/latest`` naming the tag, and the averaging state in the ``client_state`` under
+:data:`CHECKPOINT_KEY`. Checkpoints of the earlier layout, ``<dir>/replica_<k>/<tag>/`` with a
+``latest`` per replica, still load. The outer optimizer state (anchors and outer optimizer, one ZeRO
+partition per rank) goes into one file per rank next to DeepSpeed's per-rank files in the replica's
+folder, :func:`outer_state_file`: DeepSpeed writes the ``client_state`` of ZeRO 0-2 from the first rank
+of the data-parallel group only, and every rank reads that one. The engine's ``save_checkpoint`` and
+``load_checkpoint`` are wrapped to use them in :mod:`hieravg_optim.deepspeed.hooks`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import torch.distributed as dist
 
 from ..replica import replica_dir
 
-__all__ = ["CHECKPOINT_KEY", "outer_state_file", "replica_checkpoint_dir", "save_outer_state", "with_outer_state"]
+__all__ = [
+    "CHECKPOINT_KEY",
+    "outer_state_file",
+    "replica_checkpoint_dir",
+    "save_outer_state",
+    "with_outer_state",
+    "write_latest",
+]
 
 CHECKPOINT_KEY = "hierarchical_averaging"
 """Key of the averaging state in the ``client_state`` of DeepSpeed checkpoints."""
@@ -30,13 +39,26 @@ OUTER_SAVED = "outer_state_per_rank"
 """Key in the saved averaging state: the periods whose outer state each rank saved in :func:`outer_state_file`."""
 
 
-def replica_checkpoint_dir(save_dir: str | os.PathLike, replica_index: int) -> str:
-    """Where replica ``replica_index`` keeps its DeepSpeed checkpoints under ``save_dir``: ``replica_<k>``."""
-    return replica_dir(save_dir, replica_index)
+def replica_checkpoint_dir(save_dir: str | os.PathLike, replica_index: int, tag: str | None = None) -> str:
+    """Where replica ``replica_index`` keeps its DeepSpeed files under ``save_dir``.
+
+    Args:
+        save_dir: The folder given to ``save_checkpoint`` / ``load_checkpoint``.
+        replica_index: The replica, ``k``.
+        tag: The checkpoint's tag: ``<save_dir>/<tag>/replica_<k>``, the folder of DeepSpeed's files
+            (``mp_rank_00_model_states.pt``, ``zero_pp_rank_*``). ``None``: the earlier layout's folder,
+            ``<save_dir>/replica_<k>``, which holds DeepSpeed's tag folders and its ``latest``.
+    """
+    if tag is None:
+        return replica_dir(save_dir, replica_index)
+    return replica_dir(os.path.join(os.fspath(save_dir), str(tag)), replica_index)
 
 
 def outer_state_file(tag_dir: str | os.PathLike, dp_rank: int) -> str:
-    """The file of one rank's outer optimizer state (anchors, outer optimizer) in a checkpoint's tag folder.
+    """The file of one rank's outer optimizer state (anchors, outer optimizer) in the folder of DeepSpeed's files.
+
+    ``tag_dir`` is that folder: ``<dir>/<tag>/replica_<k>`` (:func:`replica_checkpoint_dir`), or
+    ``<dir>/replica_<k>/<tag>`` in the earlier layout.
 
     ``dp_rank`` is the rank in the replica (DeepSpeed's data-parallel rank), as in DeepSpeed's
     ``zero_pp_rank_<dp_rank>_mp_rank_00_optim_states.pt`` next to it.
@@ -49,6 +71,19 @@ def _save_atomically(obj: Any, path: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_latest(save_dir: str | os.PathLike, tag: str) -> None:
+    """Write ``<save_dir>/latest`` naming ``tag``, as DeepSpeed does, atomically (a temporary file, then a rename)."""
+    path = os.path.join(os.fspath(save_dir), "latest")
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as fd:
+            fd.write(tag)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -26,6 +26,8 @@ from .checkpoint import (
     replica_checkpoint_dir,
     save_outer_state,
     with_outer_state,
+    write_latest,
+    with_outer_state,
 )
 from .engine import DeepSpeedAveraging
 
@@ -110,14 +112,19 @@ def refuse_direct_optimizer_steps(engine: Any, in_engine_step: list[bool]) -> No
 def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
     """Make ``engine.save_checkpoint`` / ``load_checkpoint`` keep each replica in its own folder.
 
-    Both keep DeepSpeed's signatures. ``save_checkpoint`` writes to
-    ``replica_checkpoint_dir(save_dir, replica)`` with the averaging state in the client state,
-    and ``latest`` for every replica (DeepSpeed writes it on global rank 0 only). With outer
-    optimizers, every rank first writes its anchors and outer optimizer state to
-    :func:`~hieravg_optim.deepspeed.checkpoint.outer_state_file` in the tag's folder (atomically: a
-    temporary file, then a rename), so that they are there before ``latest`` names the tag.
-    ``load_checkpoint`` reads the replica's folder and restores the averaging step count, and
-    each rank its own outer state.
+    Both keep DeepSpeed's signatures. ``save_checkpoint(save_dir, tag)`` writes replica ``k``'s
+    DeepSpeed files to ``replica_checkpoint_dir(save_dir, k, tag)`` = ``<save_dir>/<tag>/replica_<k>/``
+    (DeepSpeed's save into ``<save_dir>/<tag>`` with the tag ``replica_<k>``, after DeepSpeed's own
+    check that every rank saves the same tag), with the averaging state in the client state; then,
+    with ``save_latest``, global rank 0 writes ``<save_dir>/latest`` naming the tag (atomically,
+    after every rank has saved). The tag folder is where HF's ``Trainer`` (``global_step<N>``) and
+    Lightning (``checkpoint``) look. With outer optimizers, every rank first writes its anchors and
+    outer optimizer state to :func:`~hieravg_optim.deepspeed.checkpoint.outer_state_file` in its
+    replica's folder (atomically), so that they are there before ``latest`` names the tag.
+    ``load_checkpoint(load_dir, tag)`` (``tag`` ``None``: the one ``<load_dir>/latest`` names) reads
+    the replica's folder, or, for a checkpoint of the earlier layout, ``<load_dir>/replica_<k>/<tag>``
+    (``tag`` ``None``: that folder's ``latest``), and restores the averaging step count, and each
+    rank its own outer state.
 
     .. warning::
         Both wrapped methods are collective over the default process group.
@@ -130,35 +137,41 @@ def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
     """
     original_save = engine.save_checkpoint
     original_load = engine.load_checkpoint
+    check_tag = engine._checkpoint_tag_validation
+    # The tag DeepSpeed sees, replica_<k>, differs between replicas by design: the tag given is checked instead.
+    engine._checkpoint_tag_validation = lambda tag: None
+    replica_tag = os.path.basename(replica_checkpoint_dir("", state.replica_index))
+    world = list(range(dist.get_world_size()))
 
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
-        folder = replica_checkpoint_dir(save_dir, state.replica_index)
+        saved_tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        check_tag(saved_tag)  # collective over the world, as in DeepSpeed's save_checkpoint
+        folder = replica_checkpoint_dir(save_dir, state.replica_index, saved_tag)
         os.makedirs(folder, exist_ok=True)
         client = dict(client_state or {})
         averaging = dict(state.state_dict())
-        saved_tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        # Before DeepSpeed's save, which ends by naming the tag in "latest".
-        save_outer_state(averaging, os.path.join(folder, saved_tag), state.mpu.get_data_parallel_rank())
+        # Before DeepSpeed's save, and before "latest" names the tag.
+        save_outer_state(averaging, folder, state.mpu.get_data_parallel_rank())
         client[CHECKPOINT_KEY] = averaging
         out = original_save(
-            folder,
-            tag=tag,
+            os.path.join(os.fspath(save_dir), saved_tag),
+            tag=replica_tag,
             client_state=client,
-            save_latest=save_latest,
+            save_latest=False,
             exclude_frozen_parameters=exclude_frozen_parameters,
         )
-        if save_latest and state.replica_index > 0 and state.mpu.get_data_parallel_rank() == 0:
-            # DeepSpeed writes "latest" on global rank 0 only, i.e. for replica 0.
-            with open(os.path.join(folder, "latest"), "w") as fd:
-                fd.write(saved_tag)
-        world = list(range(dist.get_world_size()))
         with named_collective(f"the barrier after saving the checkpoint under {os.fspath(save_dir)}", world):
             dist.barrier()
+        if save_latest:
+            if dist.get_rank() == 0:
+                write_latest(save_dir, saved_tag)
+            with named_collective(f"the barrier after naming {saved_tag} in {os.fspath(save_dir)}/latest", world):
+                dist.barrier()
         return out
 
     def load_checkpoint(load_dir, tag=None, *args: Any, **kwargs: Any):
-        folder = replica_checkpoint_dir(load_dir, state.replica_index)
-        load_path, client_state = original_load(folder, tag, *args, **kwargs)
+        folder, folder_tag = _replica_to_load(load_dir, tag, state.replica_index, replica_tag)
+        load_path, client_state = original_load(folder, folder_tag, *args, **kwargs)
         error: BaseException | None = None
         if load_path is not None:
             client_state = dict(client_state or {})
@@ -194,7 +207,7 @@ def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
         # replicas than were saved) would silently start from fresh weights while the others resume. One
         # collective checks that, and that every rank restored its own outer state.
         agree_across_ranks(
-            f"whether their replica found a checkpoint under {os.fspath(load_dir)}/replica_<k> (True: found)",
+            f"whether their replica found a checkpoint under {os.fspath(load_dir)} (True: found)",
             load_path is not None,
             None,
             error=error,
@@ -205,6 +218,23 @@ def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+
+
+def _replica_to_load(load_dir: Any, tag: Any, replica_index: int, replica_tag: str) -> tuple[str, str | None]:
+    """``(folder, tag)`` for DeepSpeed's ``load_checkpoint`` of this replica: ``(<load_dir>/<tag>, replica_<k>)``,
+    ``tag`` read from ``<load_dir>/latest`` if ``None``; else the earlier layout's ``(<load_dir>/replica_<k>, tag)``."""
+    named = tag
+    if named is None:
+        latest = os.path.join(os.fspath(load_dir), "latest")
+        if os.path.isfile(latest):
+            with open(latest) as fd:
+                named = fd.read().strip()
+    if named is not None and os.path.isdir(replica_checkpoint_dir(load_dir, replica_index, str(named))):
+        return os.path.join(os.fspath(load_dir), str(named)), replica_tag
+    # The earlier layout; with the tag given only (else DeepSpeed reads the replica folder's own latest, and finds
+    # nothing when this replica's folder is missing: the agreement after the load then raises on every rank).
+    return replica_checkpoint_dir(load_dir, replica_index), tag
+
 
 
 _TRACE_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("hieravg_zero3_trace_group", default=None)
