@@ -18,12 +18,13 @@ of a CPU device. Everything else is Lightning's and DeepSpeed's own code: the st
 * ``lightning``: ZeRO-2, 4 epochs of 5 steps: the two ranks of a replica always equal, the replicas equal
   during the warm-up (synchronous) and after a round, apart between rounds; the count is
   ``trainer.global_step`` and the engine's ``global_steps``; a resume from the checkpoint after epoch 2
-  (between rounds) ends where the uninterrupted run ended (allclose 1e-6), count included.
+  (between rounds, so each replica needs its own files: ``<ckpt>/checkpoint/replica_<k>/``) ends where the
+  uninterrupted run ended (allclose 1e-6), count included.
 * ``lightning_zero3``: ZeRO-3 with the layers built in ``configure_model`` (Lightning wraps it in
   ``deepspeed.zero.Init`` over the world): ``NotImplementedError`` on every rank naming the fix; with the
   model built in ``__init__`` instead, ZeRO-3 trains and the count is the global step.
 * ``callback_under_deepspeed``: the DDP callback under ``DeepSpeedStrategy``: ``TypeError`` naming ``install()``.
-* ``fabric``: the same checks, briefly, through ``Fabric.setup`` / ``Fabric.save`` / ``Fabric.load``, stepping
+* ``fabric``: the same checks, briefly (resume included), through ``Fabric.setup`` / ``Fabric.save`` / ``Fabric.load``, stepping
   with ``fabric.strategy.model.step()`` (the engine); ``optimizer.step()`` raises on every rank: Fabric 2.6
   would step DeepSpeed's optimizer directly, bypassing the engine's step and so the averaging.
 * ``bad``: a bad section raises on every rank, naming the key.
@@ -306,7 +307,6 @@ def test_lightning_deepspeed_strategy(outputs):
     _check_trajectory([o["pl"] for o in outputs], "Lightning")
 
 
-@pytest.mark.xfail(strict=True, reason="the adapter's per-replica folders are not yet inside <dir>/checkpoint/")
 def test_lightning_deepspeed_resume(outputs):
     assert (RESUME_AT - 1) % PERIOD != 0
     for rank, o in enumerate(outputs):
@@ -343,7 +343,6 @@ def test_fabric_optimizer_step_refused_on_every_rank(outputs):
         assert kind == "error" and "RuntimeError" in message and "fabric.strategy.model.step()" in message, (rank, message)
 
 
-@pytest.mark.xfail(strict=True, reason="the adapter's per-replica folders are not yet inside <dir>/checkpoint/")
 def test_fabric_deepspeed_resume(outputs):
     for rank, o in enumerate(outputs):
         _check_resume(o["fabric"], o["fabric_resumed"], f"Fabric resume, rank {rank}")
