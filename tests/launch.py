@@ -19,7 +19,7 @@ import pytest
 
 from tests.harness import default_timeout
 
-__all__ = ["RANK_LINE", "ROOT", "check_ok", "doc_block", "doc_files", "torchrun"]
+__all__ = ["RANK_LINE", "ROOT", "check_ok", "doc_block", "doc_files", "run_command", "torchrun"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,18 @@ def torchrun(
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
         *launcher_args, str(script), *args,
     ]  # fmt: skip
+    return run_command(cmd, timeout=timeout, progress_bar=progress_bar, cwd=cwd, extra_env=extra_env)
+
+
+def run_command(
+    cmd: list[str],
+    *,
+    timeout: float = 240.0,
+    progress_bar: bool = False,
+    cwd: Path = ROOT,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (a launcher that starts the ranks) with this repository on ``PYTHONPATH``; as :func:`torchrun`."""
     # No PYTHONUNBUFFERED: unbuffered, print() writes the text and the newline in two calls, and the
     # lines of 4 ranks sharing one pipe interleave.
     env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))

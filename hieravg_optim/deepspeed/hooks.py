@@ -1,7 +1,8 @@
 """The patches of a DeepSpeed engine: the step hook, per-replica checkpoints, ZeRO-3's trace check.
 
 :func:`attach` hooks a :class:`~hieravg_optim.deepspeed.DeepSpeedAveraging` into its engine:
-its ``after_engine_step`` runs after every engine optimizer step, ``save_checkpoint`` /
+its ``after_engine_step`` runs after every engine optimizer step (and a direct step of the engine's
+optimizer, outside ``engine.step()``, raises: :func:`refuse_direct_optimizer_steps`), ``save_checkpoint`` /
 ``load_checkpoint`` keep each replica in its own folder (:func:`wrap_checkpoints`, the files of
 :mod:`hieravg_optim.deepspeed.checkpoint`) and, under ZeRO-3, the trace checks compare the
 ranks of one replica (:func:`keep_trace_checks_in_replica`). Written against DeepSpeed 0.19.8.
@@ -31,7 +32,7 @@ from .checkpoint import (
 )
 from .engine import DeepSpeedAveraging
 
-__all__ = ["attach", "get_averaging", "keep_trace_checks_in_replica", "wrap_checkpoints"]
+__all__ = ["attach", "get_averaging", "keep_trace_checks_in_replica", "refuse_direct_optimizer_steps", "wrap_checkpoints"]
 
 _ATTRIBUTE = "hierarchical_averaging"
 """The engine attribute holding its :class:`DeepSpeedAveraging`."""
@@ -62,17 +63,51 @@ def attach(engine: Any, state: DeepSpeedAveraging) -> None:
                 "is written for DeepSpeed 0.19. Use HierarchicalAveragingOptimizer with plain DDP instead."
             )
     original_take_model_step = engine._take_model_step
+    in_engine_step = [False]
 
     def _take_model_step(*args: Any, **kwargs: Any) -> Any:
-        out = original_take_model_step(*args, **kwargs)
+        in_engine_step[0] = True
+        try:
+            out = original_take_model_step(*args, **kwargs)
+        finally:
+            in_engine_step[0] = False
         state.after_engine_step()
         return out
 
     wrap_checkpoints(engine, state)
     engine._take_model_step = _take_model_step
+    refuse_direct_optimizer_steps(engine, in_engine_step)
     engine.__dict__[_ATTRIBUTE] = state
     if state.kind == "zero3":
         keep_trace_checks_in_replica(engine, state.mpu.get_data_parallel_group())
+
+
+def refuse_direct_optimizer_steps(engine: Any, in_engine_step: list[bool]) -> None:
+    """Make ``engine.optimizer.step()`` raise when called outside ``engine.step()``.
+
+    The averaging runs after the engine's optimizer step; a caller that steps DeepSpeed's optimizer
+    itself would train with no averaging and no count, without a word. Lightning Fabric 2.6's
+    ``DeepSpeedStrategy`` does so: its optimizer wrapper calls ``engine.step()`` only for an engine that
+    passes its ``Optimizable`` check (``param_groups``, ``defaults``, ``state``), which DeepSpeed 0.19's
+    engine does not, and else steps ``engine.optimizer`` directly. The error is local, raised at the same
+    call on every rank that runs the same loop.
+    """
+    optimizer = engine.optimizer
+    if optimizer is None:
+        return
+    original_step = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if not in_engine_step[0]:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() was called directly on a DeepSpeed engine with hierarchical "
+                "averaging; the averaging runs in engine.step(), after the optimizer step. Call engine.step() "
+                "instead (under Lightning Fabric's DeepSpeedStrategy: fabric.strategy.model.step() instead of "
+                "optimizer.step(); the engine then also steps the LR scheduler given to fabric.setup)."
+            )
+        return original_step(*args, **kwargs)
+
+    optimizer.step = step
 
 
 def wrap_checkpoints(engine: Any, state: DeepSpeedAveraging) -> None:
