@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .agreement import check_agreement
 from .anchors import OuterLevel, OuterLevels
-from .averaging import BucketPool, average_tensors_
+from .averaging import BucketPool, Prescaled, average_tensors_, prescale_checked_
 from .config import AveragingConfig
 from .faults import named_collective
 from .groups import LevelGroup, timeout_seconds
@@ -59,8 +59,11 @@ def average_round(
     holds the same anchors, mean and outer state, so the replicas stay identical.
 
     With ``config.nonfinite`` other than ``"ignore"``, every rank first checks its tensors for NaN and
-    infinities (one reduction per tensor, see :func:`hieravg_optim.nonfinite.has_nonfinite`); the ranks
-    agree on the result in the agreement collective, with no extra round trip.
+    infinities: the tensors reduced in place are divided by the group size in the same pass, where that is exact
+    (:func:`hieravg_optim.averaging.prescale_checked_`), the others are read once
+    (:func:`hieravg_optim.nonfinite.has_nonfinite`); the ranks agree on the result in the agreement collective,
+    with no extra round trip. If the round does not go on as planned (a non-finite replica, an error before the
+    all-reduce), the division is undone before anything else.
 
     Returns:
         Whether this rank's tensors were replaced by the finite replicas' mean (``nonfinite="skip_replica"``).
@@ -87,35 +90,49 @@ def average_round(
         # Anchors not yet averaged over the group are local copies (taken at the end of the warm-up, or at
         # construction) and enter this round's mean of anchors: a non-finite one is checked as the tensors are.
         unsynced = outer is not None and not outer.synced
+        comm_dtype = config.comm_dtype[level_index] if config.comm_dtype else None
         nonfinite = None
-        if config.nonfinite != "ignore":
-            try:
-                local = has_nonfinite(tensors) or (unsynced and has_nonfinite(outer.anchors))
-            except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
-                local, error = False, error or exc
-            # Over this rank's replica, not the level's group: a hung peer there is named as such.
-            with named_collective(
-                f"the agreement of the replica's ranks on whether it is finite, before {name}",
-                replica_ranks,
-                timeout_s=timeout_seconds(config, replica_group),
-            ):
-                nonfinite = replica_any(local, replica_group)
-        bad = check_agreement(
-            tensors,
-            lg.group,
-            lg.ranks,
-            context={
-                "step count": step,
-                "bucket_cap_mb": config.bucket_cap_mb,
-                **outers.context(level_index),
-                **(context or {}),
-            },
-            what=f"the parameters to average at step {step} (period {lg.level.period}, group size "
-            f"{lg.level.group_size})",
-            error=error,
-            nonfinite=nonfinite,
-        )
-        divisor = skip_nonfinite(config, process_group, lg, bad, name, anchors=unsynced) if bad else None
+        prescaled: Prescaled | None = None
+        try:
+            if config.nonfinite != "ignore":
+                try:
+                    # The check fused into the division of the tensors reduced in place (see prescale_checked_).
+                    prescaled = prescale_checked_(
+                        tensors, lg.size, bucket_cap_bytes=config.bucket_cap_bytes, comm_dtype=comm_dtype, node=lg.node
+                    )
+                    local = prescaled.nonfinite or (unsynced and has_nonfinite(outer.anchors))
+                except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
+                    local, error = False, error or exc
+                # Over this rank's replica, not the level's group: a hung peer there is named as such.
+                with named_collective(
+                    f"the agreement of the replica's ranks on whether it is finite, before {name}",
+                    replica_ranks,
+                    timeout_s=timeout_seconds(config, replica_group),
+                ):
+                    nonfinite = replica_any(local, replica_group)
+            bad = check_agreement(
+                tensors,
+                lg.group,
+                lg.ranks,
+                context={
+                    "step count": step,
+                    "bucket_cap_mb": config.bucket_cap_mb,
+                    **outers.context(level_index),
+                    **(context or {}),
+                },
+                what=f"the parameters to average at step {step} (period {lg.level.period}, group size "
+                f"{lg.level.group_size})",
+                error=error,
+                nonfinite=nonfinite,
+            )
+            divisor = skip_nonfinite(config, process_group, lg, bad, name, anchors=unsynced) if bad else None
+        except BaseException:
+            if prescaled is not None:  # the round does not run: every tensor back as it was
+                prescaled.undo()
+            raise
+        if bad and prescaled is not None:
+            # A non-finite replica (the rare path): the finite replicas' sum is divided after the all-reduce instead.
+            prescaled.undo()
         replaced = dist.get_rank() in bad
         payload = average_tensors_(
             tensors,
@@ -124,11 +141,12 @@ def average_round(
             bucket_cap_bytes=config.bucket_cap_bytes,
             pool=pool,
             divisor=divisor,
-            comm_dtype=config.comm_dtype[level_index] if config.comm_dtype else None,
+            comm_dtype=comm_dtype,
             node=lg.node,
             check_wire=config.nonfinite != "ignore",
             what=name,
             contribute_zeros=replaced,
+            prescaled=prescaled,
         )
         if outer is not None:
             if not outer.synced:

@@ -35,6 +35,13 @@ tensor reduced in place, one temporary contiguous copy of that tensor. The sum i
 divided by the group size (or a given divisor) after the all-reduce, so means of small
 integers are exact.
 
+The non-finite guard of a round (``nonfinite="raise"`` or ``"skip_replica"``) is fused into the division where it
+can be: :func:`prescale_checked_` divides the tensors that the pipelined path reduces in place by the group size
+before the SUM all-reduce instead of after it, with one fused pass that also checks them for NaN and infinities
+(``torch._amp_foreach_non_finite_check_and_unscale_``, GradScaler's kernel), for a group size that is a power of
+two, whose scaling is exact; only the other tensors are read by a separate check
+(:func:`hieravg_optim.nonfinite.has_nonfinite`).
+
 A float16 wire (``comm_dtype="float16"``) is checked for overflow: its tensors go through one
 buffer of their whole float16 payload (kept in the pool instead of a bucket), and a non-finite
 all-reduced element raises :class:`WireOverflowError` on every rank before any tensor is written.
@@ -50,19 +57,22 @@ import torch.distributed as dist
 
 from ..comm_dtype import COMM_DTYPES, wire_dtype
 from ..groups import NodeGroups
+from ..nonfinite import has_nonfinite
 from ..tensors import overlaps_itself
 from .buckets import DIRECT_MIN_BYTES, BucketPool
 from .checked_wire import CHECKED_WIRE, WireOverflowError, reduce_staged
 from .coalesced import reduce_coalesced
 from .node_aware import reduce_node_aware
-from .pipelined import average_pipelined
+from .pipelined import average_pipelined, direct_numel
 
 __all__ = [
     "BucketPool",
     "NodeGroups",
+    "Prescaled",
     "WireOverflowError",
     "average_tensors_",
     "overlaps_itself",
+    "prescale_checked_",
 ]
 # NodeGroups (now in hieravg_optim.groups) and overlaps_itself (hieravg_optim.tensors) are re-exported
 # for the old import path.
@@ -72,6 +82,103 @@ ReduceOpName = Literal["auto", "avg", "sum"]
 
 _AUTO_PATH: dict[str, Path] = {"cpu": "pipelined"}
 """The path ``path="auto"`` takes per device type (others: ``"coalesced"``), measured with ``bench/averaging.py``."""
+
+
+class Prescaled:
+    """What :func:`prescale_checked_` did: the tensors it divided in place, by what, and whether any tensor was non-finite.
+
+    Pass it to :func:`average_tensors_` (``prescaled=``), which then does not divide those tensors again, or call
+    :meth:`undo` first when the round does not run as planned (a non-finite replica, an error).
+    """
+
+    __slots__ = ("divisor", "ids", "nonfinite", "scaled")
+
+    def __init__(self, scaled: list[torch.Tensor], divisor: int, nonfinite: bool) -> None:
+        self.scaled = scaled
+        """The tensors divided in place by ``divisor``."""
+        self.divisor = divisor
+        """The group size they were divided by, a power of two."""
+        self.nonfinite = nonfinite
+        """Whether any of the tensors checked (all of them, scaled or not) holds a NaN or an infinity."""
+        self.ids = frozenset(id(t) for t in scaled)
+
+    def undo(self) -> None:
+        """Multiply the scaled tensors back by ``divisor``, in place (exact for a power of two, see
+        :func:`prescale_checked_`), and forget them; a second call does nothing. Local, no collective."""
+        if self.scaled:
+            with torch.no_grad():
+                torch._foreach_mul_(self.scaled, float(self.divisor))
+        self.scaled = []
+        self.ids = frozenset()
+
+
+def prescale_checked_(
+    tensors: Sequence[torch.Tensor],
+    group_size: int,
+    *,
+    bucket_cap_bytes: int,
+    comm_dtype: str | None = None,
+    node: NodeGroups | None = None,
+    path: Path = "auto",
+    direct_min_bytes: int | None = None,
+) -> Prescaled:
+    """Check ``tensors`` for NaN and infinities, dividing in the same pass those that the round reduces in place.
+
+    The non-finite guard fused into the division: a tensor that :func:`average_tensors_` with the same arguments
+    all-reduces in its own storage (pipelined path, wire dtype its own, from ``direct_min_bytes`` or the device's
+    default on) would be divided by ``group_size`` in a pass of its own after the SUM all-reduce. Divided before it
+    instead, by one ``torch._amp_foreach_non_finite_check_and_unscale_`` call per device (the fused kernel of
+    ``torch.amp.GradScaler``: one read and one write of each element, which it also checks), the guard costs no
+    extra pass over these tensors; the others (packed through the bucket, where the division is fused into the
+    copy back) are read once by :func:`hieravg_optim.nonfinite.has_nonfinite`. Local, no collective.
+
+    Only for a ``group_size`` that is a power of two (2, 4, 8, ...), none of whose ranks is skipped, on the flat
+    pipelined path: dividing by a power of two is exact, so the SUM of the divided tensors is bitwise the mean
+    that the division after the SUM gives, and :meth:`Prescaled.undo` gives every tensor back bitwise. The one
+    exception is the range of subnormal results: an element of magnitude below ``2**-126 * group_size``
+    (float32 and bfloat16; ``2**-1022 * group_size`` in float64) whose quotient is not representable is rounded,
+    by at most half a subnormal step (``2**-150`` in float32): such an element's mean and its value after
+    :meth:`Prescaled.undo` can differ from the division after the SUM in that last subnormal bit. Otherwise (and
+    for complex tensors) nothing is divided and every tensor is read by
+    :func:`~hieravg_optim.nonfinite.has_nonfinite`.
+
+    Args:
+        tensors: The tensors of the round, as passed to :func:`average_tensors_`.
+        group_size: The size of the group the round averages over.
+        bucket_cap_bytes, comm_dtype, node, path, direct_min_bytes: As for :func:`average_tensors_`.
+
+    Returns:
+        A :class:`Prescaled`: the tensors divided (empty where none is) and whether any tensor is non-finite.
+        A non-finite tensor that is divided stays non-finite (NaN stays NaN, an infinity an infinity).
+    """
+    candidates: list[torch.Tensor] = []
+    rest: list[torch.Tensor] = []
+    resolved = path
+    if tensors and path == "auto":
+        resolved = _AUTO_PATH.get(tensors[0].device.type, "coalesced")
+    fused = resolved == "pipelined" and node is None and group_size > 1 and group_size & (group_size - 1) == 0
+    for t in tensors:
+        if fused and t.is_floating_point() and t.numel() and not overlaps_itself(t):
+            wire = wire_dtype(t.dtype, comm_dtype)
+            if wire == t.dtype and wire not in CHECKED_WIRE and t.numel() >= direct_numel(
+                t.device, wire, bucket_cap_bytes, direct_min_bytes
+            ):
+                candidates.append(t)
+                continue
+        rest.append(t)
+    nonfinite = has_nonfinite(rest)  # first: if it raises, nothing has been divided
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in candidates:
+        by_device.setdefault(t.device, []).append(t)
+    scaled: list[torch.Tensor] = []
+    with torch.no_grad():
+        for device, members in by_device.items():
+            found = torch.zeros(1, device=device)
+            inverse = torch.full((1,), 1.0 / group_size, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(members, found, inverse)
+            scaled += members
+            nonfinite = nonfinite or bool(found.item())
+    return Prescaled(scaled, group_size, nonfinite)
 
 
 def average_tensors_(
@@ -91,6 +198,7 @@ def average_tensors_(
     check_wire: bool = True,
     what: str = "the averaging round",
     contribute_zeros: bool = False,
+    prescaled: Prescaled | None = None,
 ) -> int:
     """Replace every tensor by its mean over ``group`` (or its sum divided by ``divisor``), in place.
 
@@ -134,6 +242,9 @@ def average_tensors_(
             every rank (``nonfinite="skip_replica"``: a non-finite replica, with ``divisor`` the number of
             the others). Its tensors are zeroed only once the checked float16 wire, if any, has passed, so a
             :class:`WireOverflowError` leaves them unchanged too.
+        prescaled: What :func:`prescale_checked_` returned for these tensors and arguments: the tensors it divided
+            are all-reduced and not divided again. Only with ``divisor=None`` and ``contribute_zeros=False``; if
+            this call raises before its first collective, it first calls :meth:`Prescaled.undo`.
 
     Returns:
         The payload this rank all-reduced, in bytes of the wire dtypes.
@@ -144,28 +255,20 @@ def average_tensors_(
         WireOverflowError: (a ``RuntimeError``) with ``check_wire``, on every rank of ``group``, if a float16
             all-reduce produced a NaN or an infinity; no tensor has been written.
     """
-    if path not in ("auto", "pipelined", "coalesced"):
-        raise ValueError(f'path must be "auto", "pipelined" or "coalesced", got {path!r}.')
-    if reduce_op not in ("auto", "avg", "sum"):
-        raise ValueError(f'reduce_op must be "auto", "avg" or "sum", got {reduce_op!r}.')
-    if comm_dtype is not None and comm_dtype not in COMM_DTYPES:
-        raise ValueError(f"comm_dtype must be one of {list(COMM_DTYPES)} or None, got {comm_dtype!r}.")
-    if divisor is not None and not divisor > 0:
-        raise ValueError(f"divisor must be a positive number of replicas, got {divisor!r}.")
-    items: list[tuple[torch.Tensor, torch.dtype]] = []
-    for index, t in enumerate(tensors):
-        if not (t.is_floating_point() or t.is_complex()):
-            raise TypeError(f"Only floating-point tensors can be averaged, got dtype {t.dtype} of shape {tuple(t.shape)}.")
-        if overlaps_itself(t):
-            # Checked before any collective; ranks that differ in this fail check_agreement instead.
-            raise TypeError(
-                f"Tensor {index} to average (shape {tuple(t.shape)}, strides {t.stride()}) is internally overlapping "
-                "(e.g. made by expand()): several of its elements share one memory location, so it cannot hold "
-                "their means. Average the tensor it was expanded from, or pass a .clone()."
+    try:
+        items = _validated(tensors, path, reduce_op, comm_dtype, divisor)
+        if prescaled is not None and prescaled.scaled and (
+            divisor is not None or contribute_zeros or prescaled.divisor != group_size
+        ):
+            raise ValueError(
+                f"prescaled holds tensors divided by {prescaled.divisor}: average them over a group of that size, with "
+                f"divisor=None and contribute_zeros=False (got group_size={group_size}, divisor={divisor!r}, "
+                f"contribute_zeros={contribute_zeros}), or call prescaled.undo() first."
             )
-        if t.numel() == 0:
-            continue
-        items.append((t, wire_dtype(t.dtype, comm_dtype)))
+    except BaseException:
+        if prescaled is not None:
+            prescaled.undo()
+        raise
     payload = sum(t.numel() * torch.empty((), dtype=w).element_size() for t, w in items)
     if not items:
         return payload
@@ -193,8 +296,11 @@ def average_tensors_(
     if path == "auto":
         path = _AUTO_PATH.get(device_type, "coalesced")
     if path == "pipelined":
-        average_pipelined(items, group, div, bucket_cap_bytes, pool, direct_min_bytes)
+        ids = frozenset() if prescaled is None else prescaled.ids
+        average_pipelined(items, group, div, bucket_cap_bytes, pool, direct_min_bytes, ids)
         return payload
+    # prescale_checked_ divides nothing for this path (nor for node-aware rounds).
+    assert prescaled is None or not prescaled.scaled
     nccl = _backend(group) == "nccl"
     use_avg = reduce_op == "avg" or (reduce_op == "auto" and nccl and divisor is None)
     if use_avg and divisor is not None and divisor != group_size:
@@ -212,6 +318,39 @@ def average_tensors_(
         direct, by_key, group, div, use_avg, bucket_cap_bytes, pool, coalesce=nccl if coalesce is None else coalesce
     )
     return payload
+
+
+def _validated(
+    tensors: Sequence[torch.Tensor],
+    path: str,
+    reduce_op: str,
+    comm_dtype: str | None,
+    divisor: float | None,
+) -> list[tuple[torch.Tensor, torch.dtype]]:
+    """:func:`average_tensors_`'s checks of its arguments, before any collective; its non-empty tensors with their wire dtype."""
+    if path not in ("auto", "pipelined", "coalesced"):
+        raise ValueError(f'path must be "auto", "pipelined" or "coalesced", got {path!r}.')
+    if reduce_op not in ("auto", "avg", "sum"):
+        raise ValueError(f'reduce_op must be "auto", "avg" or "sum", got {reduce_op!r}.')
+    if comm_dtype is not None and comm_dtype not in COMM_DTYPES:
+        raise ValueError(f"comm_dtype must be one of {list(COMM_DTYPES)} or None, got {comm_dtype!r}.")
+    if divisor is not None and not divisor > 0:
+        raise ValueError(f"divisor must be a positive number of replicas, got {divisor!r}.")
+    items: list[tuple[torch.Tensor, torch.dtype]] = []
+    for index, t in enumerate(tensors):
+        if not (t.is_floating_point() or t.is_complex()):
+            raise TypeError(f"Only floating-point tensors can be averaged, got dtype {t.dtype} of shape {tuple(t.shape)}.")
+        if overlaps_itself(t):
+            # Checked before any collective; ranks that differ in this fail check_agreement instead.
+            raise TypeError(
+                f"Tensor {index} to average (shape {tuple(t.shape)}, strides {t.stride()}) is internally overlapping "
+                "(e.g. made by expand()): several of its elements share one memory location, so it cannot hold "
+                "their means. Average the tensor it was expanded from, or pass a .clone()."
+            )
+        if t.numel() == 0:
+            continue
+        items.append((t, wire_dtype(t.dtype, comm_dtype)))
+    return items
 
 
 def _backend(group: dist.ProcessGroup) -> str:
