@@ -121,7 +121,7 @@ def _failed_load(rank: int) -> dict:
     _train(engine, rank, 1)  # count 3: a load that succeeded would bring the count back to 2
     engine.save_checkpoint(folder, tag="t3")
     out = {}
-    tag_dir = os.path.join(folder, f"replica_{rank // S}", "t2")
+    tag_dir = os.path.join(folder, "t2", f"replica_{rank // S}")
     if rank == 3:
         os.remove(outer_state_file(tag_dir, rank % S))
     dist.barrier()
