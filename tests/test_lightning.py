@@ -15,8 +15,8 @@ One spawn of 4 ranks (Lightning is imported in those 4 processes only). In each 
   differ there, so every rank needs its own state) and ends where the uninterrupted run ended (allclose 1e-6:
   DDP's buckets are rebuilt after its first iteration), count included.
 * ``bad``: an unknown key and levels that do not fit the world size (``ValueError`` naming them, on every
-  rank), Lightning's own ``model_averaging_period`` set too, two optimizers: a clear error on every rank,
-  no hang.
+  rank), Lightning's own ``model_averaging_period`` set too, a checkpoint of another world size, two
+  optimizers: a clear error on every rank, no hang.
 
 And two real launches of ``tests/lightning_train.py``, a script that never names this library, with
 ``HIERAVG_LIGHTNING_CONFIG`` set and the dist-info on ``PYTHONPATH``: ``torchrun --nproc_per_node 4`` and
@@ -213,6 +213,15 @@ def _ranks(rank: int, world_size: int, folder: str) -> dict:
             ).fit(Regression()),
             "model_averaging_period",
         )
+        ckpt = torch.load(folder / "run" / "epoch=1.ckpt", weights_only=True)
+        ckpt["callbacks"]["HierarchicalAveraging"]["world_size"] = 8  # as if saved by 8 ranks
+        torch.save(ckpt, folder / f"other_world_{rank}.ckpt")
+        out["other_world"] = _raises_everywhere(
+            lambda: _trainer(folder / "bad", [hl.HierarchicalAveraging(SECTION)], epochs=3).fit(
+                Regression(), ckpt_path=folder / f"other_world_{rank}.ckpt"
+            ),
+            "ValueError", "states of 8 ranks", "world size 4",
+        )
         out["two_optimizers"] = _raises_everywhere(
             lambda: _trainer(folder / "bad", [hl.HierarchicalAveraging(SECTION)], epochs=1).fit(Regression(optimizers=2)),
             "NotImplementedError", "exactly one optimizer",
@@ -258,7 +267,7 @@ def test_resume_equals_uninterrupted(outputs):
 
 
 def test_bad_settings_raise_on_every_rank(outputs):
-    for key in ("bad_key", "bad_levels", "lightning_averaging", "two_optimizers"):
+    for key in ("bad_key", "bad_levels", "lightning_averaging", "other_world", "two_optimizers"):
         messages = [o[key] for o in outputs]
         assert all(m for m in messages), key
     assert "ValueError" in outputs[0]["bad_levels"] and "TypeError" not in outputs[0]["bad_key"]
