@@ -31,7 +31,10 @@ pytest.importorskip("accelerate")
 WORLD = 4
 S = 2
 STEPS = 4
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "LOCAL_WORLD_SIZE": str(S), "TQDM_DISABLE": "1"}
+# MASTER_ADDR: accelerate asks for it when LOCAL_WORLD_SIZE < WORLD_SIZE ("multinode"); the harness's process
+# group is already initialized, so nothing connects to it.
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "LOCAL_WORLD_SIZE": str(S), "TQDM_DISABLE": "1",
+       "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
 SECTION = {"period_group_size": {"2": WORLD}, "ranks_per_replica": "local_world_size", "synchronous_warmup": False}
 
 pytestmark = pytest.mark.timeout(900)
@@ -232,7 +235,8 @@ EQUALITY = [(True, True), (False, True), (True, True), (False, True)]
 
 def _check_own_data(read):
     flat = [i for r in read for i in r]
-    assert len(flat) == len(set(flat)) == WORLD * STEPS * 2, read  # no sample read by two ranks
+    assert len(flat) == len(set(flat)), read  # no sample read by two ranks
+    assert all(len(r) >= STEPS * 2 for r in read), read  # (accelerate's loader reads one batch ahead)
 
 
 def test_trainer_replicas_apart_between_rounds_and_count_is_global_step(hf_results):
@@ -271,7 +275,7 @@ def test_trainer_ddp_recipe_without_deepspeed(hf_results):
 # ------------------------------------------------------------------------------------------------
 def _accelerator(deepspeed=True, section=SECTION):
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DeepSpeedPlugin
 
     # One Accelerator per run in this process: accelerate's own tests reset its shared state so.
@@ -281,7 +285,10 @@ def _accelerator(deepspeed=True, section=SECTION):
         return Accelerator(cpu=True)
     config = {k: v for k, v in _ds_config(section).items() if k != "gradient_clipping"}
     plugin = DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=1)
-    return Accelerator(cpu=True, deepspeed_plugin=plugin)
+    # The CPU trap: Accelerator(cpu=True) leaves DeepSpeed out (plain DDP), and without it a CPU-only launch is a
+    # world of 1. The process state on the CPU first, then DeepSpeed (as TrainingArguments(use_cpu=True) does).
+    PartialState(cpu=True)
+    return Accelerator(deepspeed_plugin=plugin)
 
 
 def _accelerate_run(accelerator, *, save_at=None, load_from=None, hook=None):
@@ -324,6 +331,7 @@ def _accelerate_train_and_resume(rank, folder):
     final = _flat(engine.module)
     resumed, _, _ = _accelerate_run(_accelerator(), load_from=checkpoint)
     state, resumed_state = hds.get_averaging(engine), hds.get_averaging(resumed)
+    assert state is not None and resumed_state is not None, f"no averaging engine: {type(engine).__name__}"
     return {
         "equality": record,
         "count": state.step,
