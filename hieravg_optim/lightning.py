@@ -183,7 +183,17 @@ class HierarchicalAveraging(Callback):
                 "are all-reduced over every rank during the warm-up, which keeps the replicas equal already. Remove it."
             )
         try:
-            check_world_size(self.settings, config, trainer.world_size)
+            if self.settings.ranks_per_replica is not None:
+                check_world_size(self.settings, config, trainer.world_size)
+            else:
+                try:
+                    config.check_world_size(trainer.world_size)
+                except ValueError as exc:
+                    raise ValueError(
+                        f'key "period_group_size" {dict(self.settings.period_group_size)} with "ranks_per_replica" '
+                        f"resolved to {ranks_per_replica} (Lightning's devices per node; set it explicitly if that is "
+                        f"not what you want), world size {trainer.world_size}: {exc}"
+                    ) from None
         except ValueError as err:
             raise ValueError(f"{self.source}: {err}") from None
         self.config = config

@@ -1,8 +1,9 @@
 """A Lightning DDP training script with no line about hierarchical averaging, for ``tests/test_lightning.py``.
 
-Run under ``torchrun --nproc_per_node 4`` with ``HIERAVG_LIGHTNING_CONFIG`` set: the ``Trainer`` finds the
-callback through the ``lightning.pytorch.callbacks_factory`` entry point. Each rank prints one line with
-the global step and, read from the callbacks the ``Trainer`` holds, the averaging count and rounds.
+Run as ``python tests/lightning_train.py`` (Lightning starts the 4 ranks) with ``HIERAVG_LIGHTNING_CONFIG``
+set: the ``Trainer`` finds the callback through the ``lightning.pytorch.callbacks_factory`` entry point. Each
+rank prints one line with the global step and, read from the callbacks the ``Trainer`` holds, the averaging
+count and rounds.
 """
 
 import torch
