@@ -50,7 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--deepspeed", default=os.path.join(ROOT, "ds_configs", "hf_zero2_bf16.json"))
     parser.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "hf_trainer"))
-    parser.add_argument("--max-steps", type=int, default=41, help="optimizer steps (counts 0..40: the last averages)")
+    parser.add_argument("--max-steps", type=int, default=161, help="optimizer steps (counts 0..160: the last averages)")
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
     args = parser.parse_args()
     start = time.perf_counter()
@@ -72,7 +72,7 @@ def main() -> None:
         output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
         learning_rate=2e-3, warmup_steps=4, weight_decay=0.01, bf16=True, use_cpu=not torch.cuda.is_available(),
-        logging_steps=10, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
+        logging_steps=40, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
     )  # fmt: skip
     trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=validation)
     result = trainer.train()
