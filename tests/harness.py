@@ -25,7 +25,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["DistributedTestError", "default_timeout", "run_distributed", "run_scenarios"]
+__all__ = ["DistributedTestError", "default_timeout", "run_distributed", "run_scenarios", "wait_for_survivors"]
 
 
 def default_timeout(seconds: float) -> float:
@@ -79,6 +79,24 @@ def _child(
     except Exception:  # noqa: BLE001
         pass
     _exit_now(results, 0)
+
+
+def wait_for_survivors(procs: list, survivors: list[int], deadline: float) -> list[int]:
+    """Wait until every process in ``survivors`` has exited or ``deadline`` (``time.monotonic()``) passes.
+
+    Then kill every process still alive (the victim of a fault test included) and return the
+    survivors that were still running at the deadline: the ranks that hang.
+    """
+    try:
+        while time.monotonic() < deadline and any(procs[r].is_alive() for r in survivors):
+            time.sleep(0.1)
+        hung = [r for r in survivors if procs[r].is_alive()]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5.0)
+    return hung
 
 
 def _exit_now(results: mp.Queue, code: int) -> None:

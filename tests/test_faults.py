@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import _child, default_timeout, run_distributed, run_scenarios
+from tests.harness import _child, default_timeout, run_distributed, run_scenarios, wait_for_survivors
 
 WORLD = 4
 LEVELS = {1: 2, 2: 4}  # count 1, 3, ...: pairs {0, 1} and {2, 3}; count 0, 2, ...: all four ranks
@@ -85,15 +85,7 @@ def _run_fault(fault: str, victim: int, count: int, timeout_s: float, sharded: b
             p.start()
         survivors = [r for r in range(WORLD) if r != victim]
         deadline = time.monotonic() + default_timeout(60.0) + timeout_s + BOUND_S
-        try:
-            while time.monotonic() < deadline and any(procs[r].is_alive() for r in survivors):
-                time.sleep(0.1)
-            hung = [r for r in survivors if procs[r].is_alive()]
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(timeout=5.0)
+        hung = wait_for_survivors(procs, survivors, deadline)
         assert not hung, f"ranks {hung} still running {deadline:.0f} s after the start: they hang after the {fault}"
         assert os.path.exists(os.path.join(tmp, "fault.json")), "the victim never reached the round"
         with open(os.path.join(tmp, "fault.json")) as f:

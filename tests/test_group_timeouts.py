@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import _child, default_timeout, run_distributed
+from tests.harness import _child, default_timeout, run_distributed, wait_for_survivors
 
 pytestmark = pytest.mark.timeout(default_timeout(400))
 
@@ -199,15 +199,7 @@ def _run(layout: str, timeout_s: float | None, pg_timeout_s: float, victim: int 
         survivors = [r for r in range(WORLD) if r != victim]
         limit = timeout_s if timeout_s is not None else pg_timeout_s
         deadline = time.monotonic() + default_timeout(90.0) + limit + BOUND_S
-        try:
-            while time.monotonic() < deadline and any(procs[r].is_alive() for r in survivors):
-                time.sleep(0.1)
-            hung = [r for r in survivors if procs[r].is_alive()]
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(timeout=5.0)
+        hung = wait_for_survivors(procs, survivors, deadline)
         assert not hung, f"{layout}: ranks {hung} still running at the deadline: they wait longer than the timeout"
         if not os.path.exists(os.path.join(tmp, "fault.json")):
             reports = []
