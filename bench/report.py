@@ -54,14 +54,34 @@ def averaging(d) -> str:
     env = d["environment"]
     w(f"Measured {env['utc']}, load average {env['load_average_1_5_15']} on {env['host_cpus']} CPUs; "
       f"median of {d['reps']} rounds (slowest rank); peak extra memory: {d['memory_method']}.\n")
-    w("| model | ranks | ours s | torch s | floor s | ours/floor (<= 1.2) | ours/torch (<= 0.7) | "
-      "peak extra MB: ours | torch | target ours (bucket + largest tensor) | model MB |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|")
+    guarded = all("ours_raw" in r["median_s"] and "guard_fraction_cpu_paired_median" in r for r in d["rows"])
+    if guarded:
+        w("*ours* is the default round (`nonfinite=\"raise\"`: agreement, non-finite guard, averaging), *raw* "
+          "`average_tensors_` alone.\n\n")
+        w("| model | ranks | ours s | raw s | torch s | floor s | ours/raw (<= 1.03) | ours/floor (<= 1.3) | "
+          "ours/torch (<= 0.7) | peak extra MB: ours | torch | target ours (bucket + largest tensor) | model MB |")
+        w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    else:
+        w("| model | ranks | ours s | torch s | floor s | ours/floor (<= 1.2) | ours/torch (<= 0.7) | "
+          "peak extra MB: ours | torch | target ours (bucket + largest tensor) | model MB |")
+        w("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in d["rows"]:
         m, p = r["median_s"], r["peak_extra_bytes"]
-        w(f"| {r['model']} ({r['tensors']} tensors) | {r['world_size']} | {m['ours']:.3f} | {m['torch']:.3f} | "
-          f"{m['floor']:.3f} | {r['ratio_ours_floor']:.2f} | {r['ratio_ours_torch']:.2f} | {_mb(p['ours'])} | "
+        raw = f"{m['ours_raw']:.3f} | " if guarded else ""
+        vs_raw = f"{m['ours'] / m['ours_raw']:.2f} | " if guarded else ""
+        w(f"| {r['model']} ({r['tensors']} tensors) | {r['world_size']} | {m['ours']:.3f} | {raw}{m['torch']:.3f} | "
+          f"{m['floor']:.3f} | {vs_raw}{r['ratio_ours_floor']:.2f} | {r['ratio_ours_torch']:.2f} | {_mb(p['ours'])} | "
           f"{_mb(p['torch'])} | {_mb(r['ours_memory_target_bytes'])} | {_mb(r['model_bytes'])} |")
+    if guarded:
+        w("\nThe non-finite guard, paired per round against `nonfinite=\"ignore\"` (wall time / CPU time of all ranks): "
+          + "; ".join(
+              f"{r['model']}/{r['world_size']} ranks: fused {100 * r['guard_fraction_paired_median']:+.1f}% / "
+              f"{100 * r['guard_fraction_cpu_paired_median']:+.1f}%, as a separate read "
+              f"{100 * r['read_guard_fraction_paired_median']:+.1f}% / {100 * r['read_guard_fraction_cpu_paired_median']:+.1f}%"
+              for r in d["rows"]) + ".")
+        w("\nPaths, `average_tensors_` coalesced / pipelined (the CPU default): " + "; ".join(
+            f"{r['model']}/{r['world_size']} ranks: {r['median_s']['ours_coalesced'] / r['median_s']['ours_raw']:.2f}"
+            for r in d["rows"]) + ".")
     w("\nFastest round of each contender instead of the median (less sensitive to other jobs): " + "; ".join(
         f"{r['model']}/{r['world_size']} ranks: ours/floor {r['min_ratio_ours_floor']:.2f}, ours/torch "
         f"{r['min_ratio_ours_torch']:.2f}" for r in d["rows"] if "min_ratio_ours_floor" in r) + ".")

@@ -215,3 +215,19 @@ def test_prescaled_with_another_divisor_is_refused_and_undone():
     with pytest.raises(ValueError, match=r"prescaled holds tensors divided by 4.*divisor=3"):
         average_tensors_([t], None, 4, bucket_cap_bytes=4000, pool=BucketPool(), divisor=3, prescaled=prescaled)
     assert torch.equal(t, torch.full((3000,), 8.0))  # undone before raising, before any collective
+
+
+def test_prescale_undo_is_bitwise_but_in_the_subnormal_range():
+    from hieravg_optim.averaging import prescale_checked_
+
+    tiny = 2.0**-149  # float32's smallest subnormal
+    normal = torch.tensor([2.0**-126, 1.5, -3e38, float("inf"), 1e-30]).repeat(600)
+    subnormal = torch.tensor([3 * tiny, 7 * tiny, 2.0**-127 + tiny]).repeat(1000)
+    before = normal.clone(), subnormal.clone()
+    prescaled = prescale_checked_([normal, subnormal], 4, bucket_cap_bytes=4000)
+    assert prescaled.nonfinite and len(prescaled.scaled) == 2
+    prescaled.undo()
+    assert torch.equal(normal, before[0])  # every normal value and infinity bitwise
+    # Below 2**-126 * 4, a quotient that is not representable is rounded: off by at most 4 * 2**-150 after undo.
+    assert not torch.equal(subnormal, before[1])
+    assert float((subnormal.double() - before[1].double()).abs().max()) <= 4 * 2.0**-150

@@ -20,7 +20,7 @@ Two paths, the same results (exact means of small integers in every dtype):
   backend has it, else SUM followed by one ``torch._foreach_div_``; the bucket is
   unpacked with one foreach copy.
 * ``"pipelined"`` (the default on CPU, where it measured faster, see
-  ``bench/averaging.py``): tensors from 4 MiB on are all-reduced in place one by one;
+  ``bench/averaging.py``): tensors from 4 MiB on are all-reduced in place, all issued at once (``async_op=True``);
   the others go through a bucket used as two halves, so that one half's all-reduce
   overlaps packing the other; a half is packed with one ``torch.cat`` and unpacked with
   the division fused into the copy back.
@@ -85,7 +85,7 @@ _AUTO_PATH: dict[str, Path] = {"cpu": "pipelined"}
 
 
 class Prescaled:
-    """What :func:`prescale_checked_` did: the tensors it divided in place, by what, and whether any tensor was non-finite.
+    """What :func:`prescale_checked_` did: the tensors it divided in place, by what, and whether any was non-finite.
 
     Pass it to :func:`average_tensors_` (``prescaled=``), which then does not divide those tensors again, or call
     :meth:`undo` first when the round does not run as planned (a non-finite replica, an error).
@@ -154,8 +154,9 @@ def prescale_checked_(
     candidates: list[torch.Tensor] = []
     rest: list[torch.Tensor] = []
     resolved = path
-    if tensors and path == "auto":
-        resolved = _AUTO_PATH.get(tensors[0].device.type, "coalesced")
+    first = next((t for t in tensors if t.numel()), None)  # the tensor average_tensors_ resolves "auto" by
+    if first is not None and path == "auto":
+        resolved = _AUTO_PATH.get(first.device.type, "coalesced")
     fused = resolved == "pipelined" and node is None and group_size > 1 and group_size & (group_size - 1) == 0
     for t in tensors:
         if fused and t.is_floating_point() and t.numel() and not overlaps_itself(t):
@@ -222,7 +223,7 @@ def average_tensors_(
             all-reduce across nodes, all-gather); ``None`` for one flat all-reduce.
         path: ``"coalesced"``: large contiguous tensors in place in one group, the rest in one bucket,
             unpacked with foreach copies; ``"pipelined"``: through a bucket used as two pipelined halves,
-            tensors of at least ``direct_min_bytes`` in place one by one; ``"auto"``: the faster measured
+            tensors of at least ``direct_min_bytes`` in place, all issued at once; ``"auto"``: the faster measured
             one for the device (``bench/averaging.py``, ``bench/gpu_averaging.py``).
         reduce_op: ``"avg"``: ``ReduceOp.AVG`` (backends that have it, e.g. NCCL); ``"sum"``: SUM then
             division; ``"auto"``: AVG on NCCL when ``divisor`` is ``None``, else SUM.
@@ -327,7 +328,9 @@ def _validated(
     comm_dtype: str | None,
     divisor: float | None,
 ) -> list[tuple[torch.Tensor, torch.dtype]]:
-    """:func:`average_tensors_`'s checks of its arguments, before any collective; its non-empty tensors with their wire dtype."""
+    """:func:`average_tensors_`'s checks of its arguments, before any collective.
+
+    Returns its non-empty tensors, each with its wire dtype."""
     if path not in ("auto", "pipelined", "coalesced"):
         raise ValueError(f'path must be "auto", "pipelined" or "coalesced", got {path!r}.')
     if reduce_op not in ("auto", "avg", "sum"):

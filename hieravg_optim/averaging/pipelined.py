@@ -1,4 +1,4 @@
-"""The pipelined path (the default on CPU): large tensors in place one by one, the rest through two bucket halves."""
+"""The pipelined path (the default on CPU): large tensors in place, issued at once; the rest through two bucket halves."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def average_pipelined(
     direct_min_bytes: int | None,
     prescaled: frozenset[int] = frozenset(),
 ) -> None:
-    """The pipelined path: tensors in place one by one from a size on, the rest through two bucket halves.
+    """The pipelined path: tensors in place from a size on (issued at once), the rest through two bucket halves.
 
     ``prescaled``: the ``id`` of the tensors reduced in place that already hold their value divided by ``divisor``
     (:func:`hieravg_optim.averaging.prescale_checked_`): their SUM is the mean, not divided again.
