@@ -157,7 +157,7 @@ class HierarchicalAveraging(Callback):
             raise TypeError(
                 f"{self.source}: the HierarchicalAveraging callback is for DDPStrategy; under DeepSpeedStrategy put "
                 f'the "{SECTION}" section into the DeepSpeed config and call hieravg_optim.deepspeed.install() before '
-                f"the Trainer (or launch with python -m hieravg_optim.run), and unset {CONFIG_ENV}."
+                f"the Trainer (or launch with torchrun ... -m hieravg_optim.run), and unset {CONFIG_ENV}."
             )
         if not isinstance(strategy, DDPStrategy):
             raise TypeError(

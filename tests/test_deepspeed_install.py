@@ -380,9 +380,10 @@ def test_install_warns_about_initialize_bound_by_name():
     user = types.ModuleType("user_train_script")
     user.initialize = deepspeed.initialize  # from deepspeed import initialize
     sys.modules[user.__name__] = user
+    sys.modules["user_train_script_alias"] = user  # one module under two names, as __main__ and __mp_main__
     try:
         with pytest.warns(UserWarning, match=r"user_train_script\.initialize is deepspeed\.initialize, bound by name"):
             hds.install()
     finally:
         hds.uninstall()
-        del sys.modules[user.__name__]
+        del sys.modules[user.__name__], sys.modules["user_train_script_alias"]

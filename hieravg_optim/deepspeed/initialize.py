@@ -374,11 +374,17 @@ def uninstall() -> bool:
 
 
 def _bound_by_name(original: Callable[..., Any]) -> list[str]:
-    """``module.name`` of every module global, outside DeepSpeed, that is ``original``."""
+    """``module.name`` of every module global, outside DeepSpeed, that is ``original``.
+
+    A module held under two names (multiprocessing's ``__mp_main__`` alias of ``__main__``) is named once,
+    by its first name in ``sys.modules``.
+    """
     found = []
+    seen: set[int] = set()
     for module_name, module in list(sys.modules.items()):
-        if module_name == "deepspeed" or module_name.startswith("deepspeed."):
+        if module_name == "deepspeed" or module_name.startswith("deepspeed.") or id(module) in seen:
             continue
+        seen.add(id(module))
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
