@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import os
 import sys
 import tomllib
@@ -285,7 +286,9 @@ def test_lightning_launch_of_an_unchanged_script(tmp_path):
     check_ok(result)
     steps = 2 * STEPS_PER_EPOCH
     expected = rounds_per_level(0, steps, [AveragingLevel(PERIOD, WORLD)], warmup_steps=WARMUP)
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    # Found anywhere in the output: the ranks share the launcher's stdout, where another rank's text can
+    # precede a line without a newline between them.
+    lines = sorted(re.findall(r"rank \d+: global step \d+, count \d+, rounds \{[^}]*\}", result.stdout))
     assert lines == [
         f"rank {r}: global step {steps}, count {steps}, rounds {{{PERIOD}: {expected[0]}}}" for r in range(WORLD)
     ], result.stdout + result.stderr[-3000:]

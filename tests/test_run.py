@@ -47,10 +47,12 @@ for step in range(3):  # counts 0, 1, 2: a round at 2
 weights = [None] * dist.get_world_size()
 dist.all_gather_object(weights, engine.module.weight.tolist())
 state = hds.get_averaging(engine)
-print("RESULT " + json.dumps({
-    "rank": rank, "name": __name__, "argv": sys.argv, "path0": sys.path[0], "count": state.step,
-    "dp_world_size": engine.dp_world_size, "equal": all(w == weights[0] for w in weights),
-}), flush=True)
+# A file per rank, next to the script: the ranks' stdout lines can interleave in the launcher's pipe.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"result{rank}.json"), "w") as fd:
+    json.dump({
+        "rank": rank, "name": __name__, "argv": sys.argv, "path0": sys.path[0], "count": state.step,
+        "dp_world_size": engine.dp_world_size, "equal": all(w == weights[0] for w in weights),
+    }, fd)
 '''
 
 
@@ -59,7 +61,7 @@ def test_runner_under_torchrun_gives_an_unchanged_script_the_averaging(tmp_path)
     script.write_text(SCRIPT)
     result = torchrun(4, "hieravg_optim.run", str(script), "--flag", "value", launcher_args=("-m",), timeout=300)
     check_ok(result)
-    found = [json.loads(line.split("RESULT ", 1)[1]) for line in result.stdout.splitlines() if "RESULT " in line]
+    found = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("result*.json"))]
     assert sorted(r["rank"] for r in found) == [0, 1, 2, 3], result.stdout
     for r in found:
         assert r["name"] == "__main__" and r["argv"] == [str(script), "--flag", "value"], r
