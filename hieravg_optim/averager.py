@@ -137,6 +137,11 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             except (TypeError, ValueError) as exc:
                 error = exc
             agree_across_ranks("the averaging config", config.agreement_value(), self.process_group, error=error)
+        if config.delay_steps or config.fragments:
+            raise NotImplementedError(
+                "delay_steps and fragments are accepted by AveragingConfig but not run yet: leave them at their "
+                "defaults (0 and 1)."
+            )
         self.config = config
         factories, device = config.outer_optimizers, config.outer_state_device
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
