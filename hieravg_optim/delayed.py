@@ -34,7 +34,8 @@ from .metrics import LevelMetrics, bytes_sent
 from .nonfinite import has_nonfinite, skip_nonfinite
 from .replica import replica_any
 from .rounds import _sync_anchors, round_name
-from .schedule import fragment_offsets
+from ._validation import is_int
+from .schedule import fragment_offsets, period_of_key
 from .tensors import local_tensor
 
 __all__ = ["DelayedRounds", "InFlightRound", "split_fragments"]
@@ -420,12 +421,12 @@ class DelayedRounds:
         eager = round_.snapshot is not None
         for k, (t, r) in enumerate(zip(live, result)):
             if round_.replaced or (not eager and alpha == 0.0):
-                t.copy_(r)
+                t.copy_(r.to(t.device))
                 continue
             compute = torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else t.dtype
-            value = r.to(compute)
+            value = r.to(device=t.device, dtype=compute)
             if eager:
-                value = value + (t.to(compute) - round_.snapshot[k].to(compute))
+                value = value + (t.to(compute) - round_.snapshot[k].to(device=t.device, dtype=compute))
             if alpha:
                 value = (1.0 - alpha) * value + alpha * t.to(compute)
             t.copy_(value)
@@ -440,6 +441,79 @@ class DelayedRounds:
         metrics.payload_bytes += round_.payload
         metrics.bytes_sent += bytes_sent(round_.payload, self.level_groups[li])
         metrics.seconds += time.perf_counter() - begin
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[int, dict[str, Any]]:
+        """The rounds in flight, each waited for first (its collective completes; no tensor changes): per period
+        ``{"fragment", "positions", "started", "apply_at", "result", "snapshot", "replaced", "payload"}``,
+        ``result`` this rank's copies all-reduced (the mean over the group) and ``snapshot`` its ``theta_t`` (or
+        ``None``), the tensors themselves, sharded like the averaged tensors. Empty when none is in flight.
+
+        Raises:
+            CollectiveError: if a round's collective failed (see :meth:`InFlightRound.wait`).
+        """
+        out = {}
+        for li, r in sorted(self.in_flight.items()):
+            r.wait()
+            out[self.config.levels[li].period] = {
+                "fragment": r.fragment, "positions": list(r.indices), "started": r.started, "apply_at": r.apply_at,
+                "result": r.wire, "snapshot": r.snapshot, "replaced": r.replaced, "payload": r.payload,
+            }  # fmt: skip
+        return out
+
+    def check_state(self, saved: object, step: int) -> dict[int, InFlightRound]:
+        """The rounds of a saved ``"in_flight"`` entry, checked against the levels and ``step`` (the saved count);
+        changes nothing. Local.
+
+        Raises:
+            ValueError: naming the period, for a malformed entry, a period without a delay here, or an apply count
+                that is not in ``(step - 1, started + delay_steps]``.
+        """
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"The 'in_flight' entry of the averaging state dict must be a mapping, got {type(saved).__name__}.")
+        periods = [lv.period for lv in self.config.levels]
+        rounds = {}
+        for key, entry in saved.items():
+            period = period_of_key(key)
+            where = f"The round in flight of period {key!r} in the averaging state dict"
+            if period not in periods or not self.delays[periods.index(period)]:
+                raise ValueError(
+                    f"{where} cannot be resumed: this averager has no delay_steps at that period (delay_steps="
+                    f"{self.config.delay_steps}). Resume with the saved run's delay_steps and fragments."
+                )
+            li = periods.index(period)
+            keys = {"fragment", "positions", "started", "apply_at", "result", "snapshot", "replaced"}
+            if not isinstance(entry, Mapping) or not keys <= set(entry):
+                raise ValueError(f"{where} must be a mapping with the keys {sorted(keys)}, as state_dict() saves it.")
+            result, snapshot = entry["result"], entry["snapshot"]
+            tensors_ok = isinstance(result, (list, tuple)) and all(torch.is_tensor(t) for t in result)
+            if snapshot is not None:
+                tensors_ok = tensors_ok and isinstance(snapshot, (list, tuple)) and len(snapshot) == len(result) and all(
+                    torch.is_tensor(t) and t.shape == w.shape for t, w in zip(snapshot, result)
+                )
+            positions = entry["positions"]
+            if not tensors_ok or not isinstance(positions, (list, tuple)) or len(positions) != len(result):
+                raise ValueError(f"{where}: 'result', 'snapshot' and 'positions' must be lists of tensors (and ints) of one length.")
+            started, apply_at = entry["started"], entry["apply_at"]
+            if not (is_int(started) and is_int(apply_at) and started < step <= apply_at == started + self.delays[li]):
+                raise ValueError(
+                    f"{where} started at count {started!r} and is applied at {apply_at!r}, which does not fit the saved "
+                    f"count {step} and delay_steps={self.delays[li]} here: resume with the saved run's settings."
+                )
+            rounds[li] = InFlightRound(
+                level_index=li, fragment=entry["fragment"], indices=tuple(int(i) for i in positions), started=started,
+                apply_at=apply_at, name=f"{round_name(started, self.level_groups[li])[:-1]}, delayed, resumed)",
+                wire=list(result), snapshot=None if snapshot is None else list(snapshot),
+                replaced=bool(entry["replaced"]), payload=int(entry.get("payload", 0)), finished=True,
+                ranks=self.level_groups[li].ranks,
+            )  # fmt: skip
+        return rounds
+
+    def load_state(self, rounds: dict[int, InFlightRound]) -> None:
+        """Replace the rounds in flight by ``rounds`` (:meth:`check_state`'s output); a current round is waited for
+        and dropped."""
+        self.wait_all()
+        self.in_flight = dict(rounds)
 
     def held_bytes(self, level_index: int) -> int:
         """Bytes held on this rank for the level's round in flight (0 when none is)."""
