@@ -346,6 +346,37 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         return max(touched, default=None)
 
     @eager_under_compile
+    def apply_rounds_in_flight(self, tensors: Sequence[torch.Tensor]) -> int:
+        """Wait for every delayed round in flight and apply it to ``tensors`` now, before its apply count.
+
+        For the end of training (or before an evaluation on the averaged weights): a round started at count ``t``
+        is otherwise applied at ``t + delay_steps`` only. The round is applied as at its count
+        (:attr:`AveragingConfig.delay_correction`, :attr:`AveragingConfig.delay_mixing`), the local progress being
+        the steps taken since ``t``. Local once the collectives have completed; every rank of the process group
+        has the same rounds in flight, so calling it on every rank at the same count keeps them in step.
+
+        Args:
+            tensors: The tensors the rounds average (as ``step_and_average``'s ``tensors()`` returns them).
+
+        Returns:
+            The number of rounds applied (0 without ``delay_steps`` or with none in flight).
+
+        Raises:
+            CollectiveError: if a round's collective failed (a dead or hung peer), naming it.
+        """
+        delayed = self._delayed
+        if delayed is None:
+            return 0
+        applied = 0
+        for li in sorted(delayed.in_flight):
+            round_ = delayed.in_flight.pop(li)
+            delayed.apply(round_, list(tensors), outers=self._outers, metrics=self._metrics[li])
+            if round_.replaced:
+                self.replaced_at_step = self.step
+            applied += 1
+        return applied
+
+    @eager_under_compile
     def average(
         self,
         level_index: int,

@@ -127,7 +127,7 @@ class InFlightRound:
             with named_collective(f"{self.name} (waited for at step {self.apply_at})", self.ranks, timeout_s=self.timeout_s):
                 raise error
         if self.done is not None:
-            torch.cuda.current_stream(self.done.device if hasattr(self.done, "device") else None).wait_event(self.done)
+            torch.cuda.current_stream(self.wire[0].device).wait_event(self.done)
             self.done = None
         self.finished = True
 

@@ -231,6 +231,15 @@ def _overlap_is_real(rank, world):
         averager.step_and_average(lambda: tensors)
     assert not averager._delayed.in_flight
     assert torch.equal(tensors[0], torch.full((1 << 20,), (world - 1) / 2))
+    # The end of training: the round started at count 4 is applied now (count 6) instead of at 7.
+    for _ in range(2):
+        averager.step_and_average(lambda: tensors)
+        with torch.no_grad():
+            tensors[0] += rank
+    assert list(averager._delayed.in_flight) == [0] and averager.apply_rounds_in_flight(tensors) == 1
+    # eager: the mean of the snapshots at count 4 plus this rank's progress since (two increments of rank)
+    assert torch.equal(tensors[0], torch.full((1 << 20,), (world - 1) / 2 + 2.0 * rank))
+    assert averager.apply_rounds_in_flight(tensors) == 0
     dist.barrier()
     return True
 
