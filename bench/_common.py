@@ -21,9 +21,11 @@ from typing import Any
 import psutil
 
 __all__ = [
+    "FEATURE_SETTINGS",
     "PeakMemory",
     "environment",
     "median",
+    "on_level",
     "spawn",
     "transformer_shapes",
     "write_json",
@@ -36,6 +38,40 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 # pages that are already resident, which would hide them from an RSS delta. Fixed, each
 # contender's temporary buffers show up in its own peak RSS.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "MALLOC_TRIM_THRESHOLD_": str(128 * 1024)}
+
+
+FEATURE_SETTINGS = {
+    "delay_steps": "delayed rounds (issue 24)",
+    "fragments": "streamed fragments (issue 24)",
+    "delay_mixing": "delayed rounds (issue 24)",
+    "delay_correction": "delayed rounds (issue 24)",
+    "compress": "compressed rounds (issue 25)",
+    "ef_decay": "compressed rounds (issue 25)",
+}
+"""The settings of the per-level features the benchmarks sweep, and the feature each belongs to."""
+
+
+def on_level(settings: dict[str, Any], period: int) -> dict[str, Any]:
+    """``settings`` (AveragingConfig keywords) put on one level: each value becomes ``{period: value}``.
+
+    Raises SystemExit, naming the setting and the feature, when the installed ``hieravg_optim`` has no such
+    field (a build without that feature), before any process group is made.
+    """
+    import dataclasses
+
+    from hieravg_optim import AveragingConfig
+
+    known = {f.name for f in dataclasses.fields(AveragingConfig)}
+    missing = sorted(set(settings) - known)
+    if missing:
+        import hieravg_optim
+
+        features = sorted({FEATURE_SETTINGS.get(name, "an unknown setting") for name in missing})
+        raise SystemExit(
+            f"{missing}: not settings of the hieravg_optim at {os.path.dirname(hieravg_optim.__file__)} "
+            f"(needs {', '.join(features)}); run with a build that has them (PYTHONPATH)."
+        )
+    return {name: {period: value} for name, value in settings.items()}
 
 
 def median(xs: Sequence[float]) -> float:
