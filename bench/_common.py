@@ -159,11 +159,38 @@ def transformer_shapes(d_model: int, layers: int, vocab: int) -> list[tuple[int,
     return shapes
 
 
+def _code_revision() -> dict[str, Any]:
+    """Which ``hieravg_optim`` ran: its folder, and the git commit there (with ``+changes`` when the package's
+    files differ from it), or the ``REVISION`` file next to the package (a ``git archive`` of a commit)."""
+    import subprocess
+
+    import hieravg_optim
+
+    package = os.path.dirname(os.path.abspath(hieravg_optim.__file__))
+    root = os.path.dirname(package)
+    revision = None
+    marker = os.path.join(root, "REVISION")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            revision = f.read().strip()
+    else:
+        try:
+            head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                  timeout=30, check=True).stdout.strip()  # fmt: skip
+            dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "hieravg_optim"],
+                                   capture_output=True, text=True, timeout=30, check=True).stdout.strip()  # fmt: skip
+            revision = head + ("+changes" if dirty else "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return {"path": package, "revision": revision}
+
+
 def environment() -> dict[str, Any]:
-    """Where and when a benchmark ran: the load matters on a shared machine."""
+    """Where and when a benchmark ran (the load matters on a shared machine), and which ``hieravg_optim``."""
     import torch
 
     return {
+        "hieravg_optim": _code_revision(),
         "utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host_cpus": os.cpu_count(),
         "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],

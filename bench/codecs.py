@@ -12,7 +12,7 @@ seed per rank), the same processes time, interleaved (the order rotates every re
 * ``encode``: the codec's ``encode`` of the tensor (the payload a rank sends);
 * ``decode``: ``decode_add_`` of the group's ``world_size`` payloads, in rank order, into one fp32 accumulator
   (what every rank does after the exchange);
-* ``exchange``: ``dist.all_gather_into_tensor`` of the payloads (the compressed round's communication).
+* ``exchange``: ``dist.all_gather_single`` of the payloads (the compressed round's communication).
 
 Codecs: ``int8`` (:class:`~hieravg_optim.compression.Int8Block`, blocks of 256) and top-k 1% with int8
 values (:class:`~hieravg_optim.compression.TopK`, chunks of 4096). Time = the slowest rank's (all start at a
@@ -79,7 +79,7 @@ def _rank(rank: int, world_size: int, sizes: list[int], reps: int) -> list[dict]
                     codec.decode_add_(gathered[r * nbytes : (r + 1) * nbytes], acc)
 
             def exchange():
-                dist.all_gather_into_tensor(gathered, payload)
+                dist.all_gather_single(gathered, payload)
 
             fns = {"floor": floor, "encode": encode, "decode": decode, "exchange": exchange}
             exchange()  # every rank's real payload in the buffer that decode reads

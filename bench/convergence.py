@@ -394,18 +394,23 @@ def chars_main(args) -> None:
         r["final_val_loss"] = r["curve"][-1][1]
         r["environment_load_average"] = env["load_average_1_5_15"]
         r["utc_start"] = env["utc"]
+        r["hieravg_optim"] = env["hieravg_optim"]
     path = os.path.join(RESULTS_DIR, f"{args.name}.json")
     redone = {_row_key(r) for r in rows}
-    # "--merge" alone (an empty list) merges this run's own earlier file.
-    for name in (args.merge or [args.name]) if args.merge is not None else []:
+    # "--merge" alone (an empty list) merges this run's own earlier file; --merge-baselines takes only the rows
+    # without top-level settings of its files.
+    merged = [(n, False) for n in ((args.merge or [args.name]) if args.merge is not None else [])]
+    for name, baselines_only in merged + [(n, True) for n in args.merge_baselines or []]:
         earlier_path = os.path.join(RESULTS_DIR, f"{name or args.name}.json")
         if not os.path.exists(earlier_path):
+            if baselines_only:
+                raise SystemExit(f"--merge-baselines: no {earlier_path}")
             continue
         with open(earlier_path) as f:
             earlier = json.load(f)
         if earlier["settings"] != settings:
             raise SystemExit(f"--merge: {earlier_path} has other settings {earlier['settings']}, this run {settings}")
-        kept = [r for r in earlier["rows"] if _row_key(r) not in redone]
+        kept = [r for r in earlier["rows"] if _row_key(r) not in redone and not (baselines_only and r.get("top"))]
         redone |= {_row_key(r) for r in kept}
         rows = kept + rows
     order = list(CHAR_CONTENDERS)
@@ -497,8 +502,11 @@ def _baseline_key(r) -> tuple:
 def _sweep_checks(rows) -> dict:
     """Each row with top-level settings against the row without them (same contender and lrs), and the targets.
 
-    Per row: final validation loss / the baseline's, and the top level's ``bytes_sent`` / the baseline's (both
-    from ``metrics()``, the same rounds). A target is met when both ratios are at most the target's.
+    Per row, from ``metrics()`` over the same rounds: final validation loss / the baseline's; the top level's
+    ``payload_bytes`` (what a rank puts on the wire per round: the fp32 tensors for an all-reduce, its payload for
+    an all-gather) / the baseline's; its ``bytes_sent`` (what the collective sends per rank: 2 (n - 1) / n x the
+    payload for a ring all-reduce, (n - 1) x for an all-gather) / the baseline's. A target is met when the loss
+    ratio and the payload ratio are at most the target's.
     """
     base = {_baseline_key(r): r for r in rows if not r.get("top") and "bytes_sent_per_level" in r}
     out: dict = {"rows": [], "targets": []}
@@ -507,9 +515,11 @@ def _sweep_checks(rows) -> dict:
         if b is None or "top" not in r:
             continue
         top = str(max(int(p) for p in r["bytes_sent_per_level"]))
+        payload, base_payload = r["top_level_metrics"].get("payload_bytes"), b["top_level_metrics"].get("payload_bytes")
         ratio = {"label": _top_label(r["top"]), "top": r["top"], "contender": r["contender"], "lr": r["lr"],
                  "outer_lr": r["outer_lr"], "outer_momentum": r["outer_momentum"],
                  "loss_over_baseline": r["final_val_loss"] / b["final_val_loss"],
+                 "payload_over_baseline": payload / base_payload if payload is not None and base_payload else None,
                  "bytes_over_baseline": r["bytes_sent_per_level"][top] / b["bytes_sent_per_level"][top]}  # fmt: skip
         out["rows"].append(ratio)
         for issue, settings, label, max_loss, max_bytes in SWEEP_TARGETS:
@@ -520,9 +530,10 @@ def _sweep_checks(rows) -> dict:
             out["targets"].append({"issue": issue, "label": tag, "what": "final validation loss / baseline",
                                    "value": loss, "target": f"<= {max_loss:g}", "met": loss <= max_loss})  # fmt: skip
             if max_bytes is not None:
-                nb = ratio["bytes_over_baseline"]
-                out["targets"].append({"issue": issue, "label": tag, "what": "top-level bytes sent / baseline",
-                                       "value": nb, "target": f"<= {max_bytes:g}", "met": nb <= max_bytes})  # fmt: skip
+                nb = ratio["payload_over_baseline"]
+                out["targets"].append({"issue": issue, "label": tag, "what": "top-level payload bytes / fp32 baseline's",
+                                       "value": float("nan") if nb is None else nb, "target": f"<= {max_bytes:g}",
+                                       "met": nb is not None and nb <= max_bytes})  # fmt: skip
     return out
 
 
@@ -634,6 +645,8 @@ def main() -> None:
     parser.add_argument("--merge", nargs="*", default=None, metavar="NAME",
                         help="chars: keep the rows of bench/results/NAME.json (default: this run's own file) that this "
                         "run does not redo; with --contenders none, only merge")
+    parser.add_argument("--merge-baselines", nargs="+", default=None, metavar="NAME",
+                        help="chars: as --merge, only the rows without top-level settings (the baselines of a sweep)")
     parser.add_argument("--name", default=None,
                         help="output files bench/results/NAME.* (default: convergence / convergence_chars)")
     args = parser.parse_args()

@@ -38,6 +38,16 @@ def _load(name: str):
         return json.load(f)
 
 
+def _bench_module(name: str):
+    """``bench/NAME.py`` as a module (the benchmark's own functions that compute its targets)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _writer(out: list[str]) -> Callable[..., None]:
     """A ``print`` that appends its line to ``out``."""
 
@@ -186,8 +196,8 @@ def convergence_chars(d) -> str:
 
 def convergence_sweep(d) -> str:
     """A sweep of top-level settings on the chars LM (``--sweep delay`` / ``--sweep compress``): per row the final
-    validation loss and the top level's bytes sent against the row without the settings, and the issues' targets,
-    computed by ``bench/convergence.py`` (``checks["sweep"]``), met or missed."""
+    validation loss and the top level's bytes against the row without the settings, and the issues' targets,
+    computed from the rows by ``bench/convergence.py``'s ``_sweep_checks``, met or missed."""
     out: list[str] = []
     w = _writer(out)
     st = d["settings"]
@@ -198,18 +208,22 @@ def convergence_sweep(d) -> str:
       f"{st.get('eval', 'the model of rank 0')}, after the last step; runs started {started[0]} to {started[-1]}; "
       "seconds: training only, 8 ranks sharing 2 cores with other jobs (load average: at the start of the "
       "invocation that ran the row).\n")
-    sweep = d["checks"].get("sweep", {"rows": [], "targets": []})
+    sweep = _bench_module("convergence")._sweep_checks(d["rows"])  # computed from the rows, with today's targets
     ratios = {(r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"], json.dumps(r["top"], sort_keys=True)): r
               for r in sweep["rows"]}  # fmt: skip
     w("| contender | inner lr | outer lr / momentum | top-level settings | rounds per level (`metrics()`) | "
-      "validation loss | / baseline | top-level MB sent per rank | / baseline | load average | s |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|")
+      "validation loss | / baseline | top-level payload MB per rank | / baseline | top-level MB sent per rank | "
+      "/ baseline | load average | s | hieravg_optim |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in d["rows"]:
         top = r.get("top", {})
         key = (r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"], json.dumps(top, sort_keys=True))
         ratio = ratios.get(key)
         loss_ratio = f"{ratio['loss_over_baseline']:.4f}" if ratio else "-"
         bytes_ratio = f"{ratio['bytes_over_baseline']:.4f}" if ratio else "-"
+        payload_ratio = f"{ratio['payload_over_baseline']:.4f}" if ratio and ratio["payload_over_baseline"] else "-"
+        payload = r.get("top_level_metrics", {}).get("payload_bytes")
+        top_payload = _mb(payload) if payload is not None else "-"
         rpl = ", ".join(f"{k}: {v}" for k, v in r["rounds_per_level"].items())
         outer = f"{r['outer_lr']:g} / {r['outer_momentum']:g}" if r["outer_lr"] else "-"
         sent = r.get("bytes_sent_per_level", {})
@@ -217,7 +231,8 @@ def convergence_sweep(d) -> str:
         label = "`" + json.dumps(top) + "`" if top else "- (baseline)"
         load = r.get("environment_load_average", ["?"])[0]
         w(f"| {r['contender']} | {r['lr']:g} | {outer} | {label} | {rpl} | {r['final_val_loss']:.4f} | {loss_ratio} | "
-          f"{top_sent} | {bytes_ratio} | {load} | {r['seconds']:.0f} |")
+          f"{top_payload} | {payload_ratio} | {top_sent} | {bytes_ratio} | {load} | {r['seconds']:.0f} | "
+          f"{(r.get('hieravg_optim') or {}).get('revision') or '-'} |")
     if sweep["targets"]:
         w("\n| issue | row | measure | value | target | |")
         w("|---|---|---|---|---|---|")
