@@ -22,6 +22,7 @@ import psutil
 
 __all__ = [
     "FEATURE_SETTINGS",
+    "code_revision",
     "PeakMemory",
     "environment",
     "median",
@@ -159,7 +160,7 @@ def transformer_shapes(d_model: int, layers: int, vocab: int) -> list[tuple[int,
     return shapes
 
 
-def _code_revision() -> dict[str, Any]:
+def code_revision() -> dict[str, Any]:
     """Which ``hieravg_optim`` ran: its folder, and the git commit there (with ``+changes`` when the package's
     files differ from it), or the ``REVISION`` file next to the package (a ``git archive`` of a commit)."""
     import subprocess
@@ -190,7 +191,7 @@ def environment() -> dict[str, Any]:
     import torch
 
     return {
-        "hieravg_optim": _code_revision(),
+        "hieravg_optim": code_revision(),
         "utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host_cpus": os.cpu_count(),
         "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],

@@ -499,6 +499,14 @@ def _baseline_key(r) -> tuple:
     return (r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"])
 
 
+def _last_evals_ratio(row, base, n: int) -> float | None:
+    """The mean over the last ``n`` evaluations (the same counts in both rows) of ``row``'s validation loss over
+    ``base``'s: less sensitive than the final one to where the last round stands at the end of the run."""
+    got, ref = dict(row["curve"]), dict(base["curve"])
+    counts = sorted(set(got) & set(ref))[-n:]
+    return sum(got[c] / ref[c] for c in counts) / len(counts) if len(counts) == n else None
+
+
 def _sweep_checks(rows) -> dict:
     """Each row with top-level settings against the row without them (same contender and lrs), and the targets.
 
@@ -519,6 +527,7 @@ def _sweep_checks(rows) -> dict:
         ratio = {"label": _top_label(r["top"]), "top": r["top"], "contender": r["contender"], "lr": r["lr"],
                  "outer_lr": r["outer_lr"], "outer_momentum": r["outer_momentum"],
                  "loss_over_baseline": r["final_val_loss"] / b["final_val_loss"],
+                 "loss_over_baseline_last4": _last_evals_ratio(r, b, 4),
                  "payload_over_baseline": payload / base_payload if payload is not None and base_payload else None,
                  "bytes_over_baseline": r["bytes_sent_per_level"][top] / b["bytes_sent_per_level"][top]}  # fmt: skip
         out["rows"].append(ratio)

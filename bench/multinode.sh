@@ -151,7 +151,8 @@ run_mode() {
 LOAD_AT_START="$(cut -d' ' -f1-3 /proc/loadavg)"
 for mode in $MODES; do run_mode "$mode"; done
 
-"$PY" - "$WORK" "$RATE" "$LINK_MBPS" "$LOAD_AT_START" "$ROOT/bench/results/$OUT_NAME" "$MODES" <<'EOF'
+# -P: the hieravg_optim of PYTHONPATH (the runs' own), not the one in the current folder.
+"$PY" -P - "$WORK" "$RATE" "$LINK_MBPS" "$LOAD_AT_START" "$ROOT/bench/results/$OUT_NAME" "$MODES" <<'EOF'
 import json, os, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 from _common import environment

@@ -42,7 +42,7 @@ from digits_common import batches, load_digits_shard  # noqa: E402
 from hieravg_optim import HierarchicalAveragingOptimizer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import on_level  # noqa: E402
+from _common import code_revision, on_level  # noqa: E402
 
 MODES = ("ddp", "hier", "hier_node", "hier_delay", "hier_frag", "hier_delay_frag", "hier_node_int8", "hier_node_topk")
 
@@ -159,6 +159,7 @@ def main() -> None:
         "levels": levels,
         "ranks_per_node_setting": rpn,
         "cross_node_settings": settings,
+        "hieravg_optim": code_revision(),
         "world_size": world,
         "ranks_per_node": local,
         "params": n_params,

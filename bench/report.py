@@ -202,24 +202,23 @@ def convergence_sweep(d) -> str:
     w = _writer(out)
     st = d["settings"]
     corpus = st["corpus"]
-    started = sorted(r.get("utc_start", d["environment"]["utc"]) for r in d["rows"])
     w(f"{st['steps']} steps, batch {st['batch']} windows of {st['context']} bytes per rank, transformer width "
       f"{st['d_model']}, AdamW inner; data: Python {corpus['python']}'s stdlib, {corpus['files']} files; evaluated: "
-      f"{st.get('eval', 'the model of rank 0')}, after the last step; runs started {started[0]} to {started[-1]}; "
-      "seconds: training only, 8 ranks sharing 2 cores with other jobs (load average: at the start of the "
-      "invocation that ran the row).\n")
+      f"{st.get('eval', 'the model of rank 0')}, after the last step. Seconds: training only, 8 ranks sharing 2 "
+      "cores with other jobs; started and load average: at the start of the invocation that ran the row.\n")
     sweep = _bench_module("convergence")._sweep_checks(d["rows"])  # computed from the rows, with today's targets
     ratios = {(r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"], json.dumps(r["top"], sort_keys=True)): r
               for r in sweep["rows"]}  # fmt: skip
     w("| contender | inner lr | outer lr / momentum | top-level settings | rounds per level (`metrics()`) | "
-      "validation loss | / baseline | top-level payload MB per rank | / baseline | top-level MB sent per rank | "
-      "/ baseline | load average | s | hieravg_optim |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "validation loss | / baseline | / baseline, last 4 evaluations | top-level payload MB per rank | / baseline | top-level MB sent per rank | "
+      "/ baseline | started (UTC) | load average | s | hieravg_optim |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in d["rows"]:
         top = r.get("top", {})
         key = (r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"], json.dumps(top, sort_keys=True))
         ratio = ratios.get(key)
         loss_ratio = f"{ratio['loss_over_baseline']:.4f}" if ratio else "-"
+        last4 = f"{ratio['loss_over_baseline_last4']:.4f}" if ratio and ratio["loss_over_baseline_last4"] else "-"
         bytes_ratio = f"{ratio['bytes_over_baseline']:.4f}" if ratio else "-"
         payload_ratio = f"{ratio['payload_over_baseline']:.4f}" if ratio and ratio["payload_over_baseline"] else "-"
         payload = r.get("top_level_metrics", {}).get("payload_bytes")
@@ -230,14 +229,15 @@ def convergence_sweep(d) -> str:
         top_sent = _mb(sent[str(max(int(p) for p in sent))]) if sent else "-"
         label = "`" + json.dumps(top) + "`" if top else "- (baseline)"
         load = r.get("environment_load_average", ["?"])[0]
-        w(f"| {r['contender']} | {r['lr']:g} | {outer} | {label} | {rpl} | {r['final_val_loss']:.4f} | {loss_ratio} | "
-          f"{top_payload} | {payload_ratio} | {top_sent} | {bytes_ratio} | {load} | {r['seconds']:.0f} | "
+        w(f"| {r['contender']} | {r['lr']:g} | {outer} | {label} | {rpl} | {r['final_val_loss']:.4f} | {loss_ratio} | {last4} | "
+          f"{top_payload} | {payload_ratio} | {top_sent} | {bytes_ratio} | "
+          f"{r['utc_start'].replace('T', ' ').rstrip('Z') if 'utc_start' in r else '-'} | {load} | {r['seconds']:.0f} | "
           f"{(r.get('hieravg_optim') or {}).get('revision') or '-'} |")
     if sweep["targets"]:
-        w("\n| issue | row | measure | value | target | |")
+        w("\n| feature | row | measure | value | target | |")
         w("|---|---|---|---|---|---|")
         for t in sweep["targets"]:
-            w(f"| {t['issue']} | {t['label']} | {t['what']} | {t['value']:.4f} | {t['target']} | "
+            w(f"| {FEATURES[t['issue']]} | {t['label']} | {t['what']} | {t['value']:.4f} | {t['target']} | "
               f"{'met' if t['met'] else '**missed**'} |")
     return "".join(out)
 
@@ -260,6 +260,9 @@ def multinode(d) -> str:
     w(f"\nWall-clock per step, DDP / hierarchical: **{d['speedup_ddp_over_hier_per_step']:.2f}x**.")
     return "".join(out)
 
+
+FEATURES = {24: "delayed rounds, fragments", 25: "compressed rounds"}
+"""The feature each target belongs to (the number of the issue that asks for it, in the results files)."""
 
 MULTINODE_TARGETS = {
     # mode -> (baseline mode in the same run, issue)
@@ -320,7 +323,7 @@ def multinode_modes(d) -> str:
       f"parameters ({_mb(first['model_bytes'])} MB), {first['steps']} steps, batch {first['batch_per_rank']} per rank; "
       f"measured {env['utc']} (end), load average at start {env['load_average_at_start']}.\n")
     w("| mode | levels | cross-node settings | s/step mean | median | slowest | slowest / median | "
-      "cross-node round s | MB sent per rank, cross-node level | final training loss | test accuracy % |")
+      "s in a cross-node round (`metrics()`: seconds / rounds) | MB sent per rank, cross-node level | final training loss | test accuracy % |")
     w("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, r in runs.items():
         lv = "gradient all-reduce every step" if not r["levels"] else "`" + json.dumps(r["levels"]) + "`"
@@ -338,10 +341,10 @@ def multinode_modes(d) -> str:
           f"{100 * r['final_test_accuracy_avg_model']:.2f} |")
     checks = multinode_checks(runs)
     if checks:
-        w("\n| issue | mode | against | measure | value | target | |")
+        w("\n| feature | mode | against | measure | value | target | |")
         w("|---|---|---|---|---|---|---|")
         for c in checks:
-            w(f"| {c['issue']} | {c['mode']} | {c['baseline']} | {c['what']} | {c['value']:.3f} | {c['target']} | "
+            w(f"| {FEATURES[c['issue']]} | {c['mode']} | {c['baseline']} | {c['what']} | {c['value']:.3f} | {c['target']} | "
               f"{'met' if c['met'] else '**missed**'} |")
     return "".join(out)
 
