@@ -61,12 +61,16 @@ def _mb(b: float) -> str:
     return f"{b / 1e6:.1f}"
 
 
+def _measured(env) -> str:
+    """When and under which load a timing benchmark ran, the start of its tables' first line."""
+    return f"Measured {env['utc']}, load average {env['load_average_1_5_15']} on {env['host_cpus']} CPUs; "
+
+
 def averaging(d) -> str:
     out: list[str] = []
     w = _writer(out)
     env = d["environment"]
-    w(f"Measured {env['utc']}, load average {env['load_average_1_5_15']} on {env['host_cpus']} CPUs; "
-      f"median of {d['reps']} rounds (slowest rank); peak extra memory: {d['memory_method']}.\n")
+    w(f"{_measured(env)}median of {d['reps']} rounds (slowest rank); peak extra memory: {d['memory_method']}.\n")
     guarded = all("ours_raw" in r["median_s"] and "guard_fraction_cpu_paired_median" in r for r in d["rows"])
     if guarded:
         w("*ours* is the default round (`nonfinite=\"raise\"`: agreement, non-finite guard, averaging), *raw* "
@@ -134,8 +138,7 @@ def codecs(d) -> str:
     out: list[str] = []
     w = _writer(out)
     env = d["environment"]
-    w(f"Measured {env['utc']}, load average {env['load_average_1_5_15']} on {env['host_cpus']} CPUs; median of "
-      f"{d['reps']} repetitions (slowest rank); one flat float32 tensor per rank.\n")
+    w(f"{_measured(env)}median of {d['reps']} repetitions (slowest rank); one flat float32 tensor per rank.\n")
     w("| codec | elements | ranks | floor s | encode s | decode s (all payloads) | all-gather s | payload / fp32 | "
       "(encode + decode) / floor | (encode + all-gather + decode) / floor |")
     w("|---|---|---|---|---|---|---|---|---|---|")
