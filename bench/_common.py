@@ -21,9 +21,12 @@ from typing import Any
 import psutil
 
 __all__ = [
+    "FEATURE_SETTINGS",
+    "code_revision",
     "PeakMemory",
     "environment",
     "median",
+    "on_level",
     "spawn",
     "transformer_shapes",
     "write_json",
@@ -36,6 +39,40 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 # pages that are already resident, which would hide them from an RSS delta. Fixed, each
 # contender's temporary buffers show up in its own peak RSS.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "MALLOC_TRIM_THRESHOLD_": str(128 * 1024)}
+
+
+FEATURE_SETTINGS = {
+    "delay_steps": "delayed rounds (issue 24)",
+    "fragments": "streamed fragments (issue 24)",
+    "delay_mixing": "delayed rounds (issue 24)",
+    "delay_correction": "delayed rounds (issue 24)",
+    "compress": "compressed rounds (issue 25)",
+    "ef_decay": "compressed rounds (issue 25)",
+}
+"""The settings of the per-level features the benchmarks sweep, and the feature each belongs to."""
+
+
+def on_level(settings: dict[str, Any], period: int) -> dict[str, Any]:
+    """``settings`` (AveragingConfig keywords) put on one level: each value becomes ``{period: value}``.
+
+    Raises SystemExit, naming the setting and the feature, when the installed ``hieravg_optim`` has no such
+    field (a build without that feature), before any process group is made.
+    """
+    import dataclasses
+
+    from hieravg_optim import AveragingConfig
+
+    known = {f.name for f in dataclasses.fields(AveragingConfig)}
+    missing = sorted(set(settings) - known)
+    if missing:
+        import hieravg_optim
+
+        features = sorted({FEATURE_SETTINGS.get(name, "an unknown setting") for name in missing})
+        raise SystemExit(
+            f"{missing}: not settings of the hieravg_optim at {os.path.dirname(hieravg_optim.__file__)} "
+            f"(needs {', '.join(features)}); run with a build that has them (PYTHONPATH)."
+        )
+    return {name: {period: value} for name, value in settings.items()}
 
 
 def median(xs: Sequence[float]) -> float:
@@ -123,11 +160,38 @@ def transformer_shapes(d_model: int, layers: int, vocab: int) -> list[tuple[int,
     return shapes
 
 
+def code_revision() -> dict[str, Any]:
+    """Which ``hieravg_optim`` ran: its folder, and the git commit there (with ``+changes`` when the package's
+    files differ from it), or the ``REVISION`` file next to the package (a ``git archive`` of a commit)."""
+    import subprocess
+
+    import hieravg_optim
+
+    package = os.path.dirname(os.path.abspath(hieravg_optim.__file__))
+    root = os.path.dirname(package)
+    revision = None
+    marker = os.path.join(root, "REVISION")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            revision = f.read().strip()
+    else:
+        try:
+            head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                  timeout=30, check=True).stdout.strip()  # fmt: skip
+            dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "hieravg_optim"],
+                                   capture_output=True, text=True, timeout=30, check=True).stdout.strip()  # fmt: skip
+            revision = head + ("+changes" if dirty else "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return {"path": package, "revision": revision}
+
+
 def environment() -> dict[str, Any]:
-    """Where and when a benchmark ran: the load matters on a shared machine."""
+    """Where and when a benchmark ran (the load matters on a shared machine), and which ``hieravg_optim``."""
     import torch
 
     return {
+        "hieravg_optim": code_revision(),
         "utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host_cpus": os.cpu_count(),
         "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],

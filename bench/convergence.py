@@ -42,6 +42,15 @@ top-level round (every replica then holds the same model) and at the same steps 
 validation loss (next-byte cross-entropy, nats) is measured on 256 fixed windows of the held-out
 files. ``--merge [NAME ...]`` keeps the rows of earlier runs of the same settings that this run does
 not redo, so a sweep can be run piecewise (``--contenders none --merge A B`` only merges). Written to ``bench/results/convergence_chars.{json,png}``.
+
+Settings of the top level (issues 24 and 25): ``--top JSON [JSON ...]`` runs every averaging contender once
+per JSON object of ``AveragingConfig`` keywords, each value put on the top level only (``{"delay_steps": 8}``
+becomes ``delay_steps={32: 8}``; ``{}`` is the contender as it is); ``--sweep delay`` and ``--sweep compress``
+name the issues' sweeps (:data:`SWEEPS`), ``--only I,J`` runs some of a sweep's entries (0-based; the rest come
+from ``--merge``). ``--eval-mean`` evaluates the mean of the 8 replicas (on a copy, over its own process group)
+instead of rank 0's model, at the same counts: with a delayed round or fragments the replicas differ after a
+top-level round's count. The sweeps' tables (:func:`_sweep_checks`) give each row's final validation loss and
+top-level bytes sent against the ``{}`` row of the same contender and lrs, and the issues' targets, met or missed.
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
-from _common import RESULTS_DIR, environment, spawn, write_json  # noqa: E402
+from _common import RESULTS_DIR, environment, on_level, spawn, write_json  # noqa: E402
 
 CONTENDERS = {
     "sync_dp": None,
@@ -67,11 +76,12 @@ CONTENDERS = {
 }
 
 
-def _count_rounds(row, opt, levels, steps, name):
+def _count_rounds(row, opt, levels, steps, name, strict=True):
     """Put a run's global rounds and rounds per level into ``row``, checked against ``rounds_per_level``.
 
     Synchronous DP (``levels`` None) all-reduces the gradients over all ranks once per step. Returns
-    the wrapper's ``metrics()``, or None for DP.
+    the wrapper's ``metrics()``, or None for DP. ``strict=False`` (delayed rounds, fragments: ``metrics()``
+    then counts what the feature counts, e.g. rounds applied by the end) records the counts unchecked.
     """
     from hieravg_optim.schedule import AveragingLevel, rounds_per_level
 
@@ -82,7 +92,7 @@ def _count_rounds(row, opt, levels, steps, name):
     metrics = opt.metrics()
     expected = rounds_per_level(0, steps, [AveragingLevel(p, g) for p, g in levels.items()], 0)
     got = [metrics[p]["rounds"] for p in levels]
-    assert got == expected, f"{name}: rounds per level {got} != rounds_per_level {expected}"
+    assert got == expected or not strict, f"{name}: rounds per level {got} != rounds_per_level {expected}"
     row["rounds_per_level"] = {str(p): metrics[p]["rounds"] for p in levels}
     row["global_rounds"] = metrics[max(levels)]["rounds"]
     return metrics
@@ -163,6 +173,68 @@ def _rank(rank: int, world_size: int, steps: int, batch: int, lr: float, hidden:
     return out
 
 
+TOPK_1PCT = {"type": "topk", "density": 0.01, "values": "int8"}
+SWEEPS: dict[str, list[dict]] = {
+    # issue 24: tau in {0, 1, 4, 8}, with the eager correction (default) and the naive delay; fragments in {1, 4}
+    # (tau below the fragment spacing 32 / 4 = 8).
+    "delay": [
+        {},
+        {"delay_steps": 8},
+        {"delay_steps": 8, "delay_correction": "none"},
+        {"fragments": 4},
+        {"delay_steps": 4},
+        {"delay_steps": 4, "delay_correction": "none"},
+        {"delay_steps": 1},
+        {"delay_steps": 1, "delay_correction": "none"},
+        {"fragments": 4, "delay_steps": 4},
+    ],
+    # issue 25: int8 and top-k 1% with int8 values, then the density and ef_decay sweep; ef_decay 0 keeps no
+    # error-feedback residual.
+    "compress": [
+        {},
+        {"compress": "int8"},
+        {"compress": TOPK_1PCT},
+        {"compress": TOPK_1PCT, "ef_decay": 0.0},
+        {"compress": {**TOPK_1PCT, "density": 0.1}},
+        {"compress": {**TOPK_1PCT, "density": 0.03}},
+        {"compress": TOPK_1PCT, "ef_decay": 0.9},
+        {"compress": "int8", "ef_decay": 0.0},
+        {"compress": {**TOPK_1PCT, "density": 0.003}},
+    ],
+}
+"""The issues' sweeps of top-level settings, in the order they run (the targets' rows first)."""
+
+
+def _top_label(top: dict) -> str:
+    """A short name of top-level settings for tables and legends: ``tau=8 naive``, ``F=4``, ``topk 1% int8``."""
+    parts = []
+    if top.get("delay_steps") is not None:
+        parts.append(f"tau={top['delay_steps']}")
+        if top.get("delay_correction", "eager") != "eager":
+            parts.append("naive" if top["delay_correction"] == "none" else str(top["delay_correction"]))
+    if top.get("fragments") is not None:
+        parts.append(f"F={top['fragments']}")
+    if top.get("delay_mixing") is not None:
+        parts.append(f"alpha={top['delay_mixing']}")
+    c = top.get("compress")
+    if c is not None:
+        c = {"type": c} if isinstance(c, str) else c
+        if c["type"] == "topk":
+            parts.append(f"topk {100 * c['density']:g}% {c.get('values', '')}".rstrip())
+        else:
+            parts.append(" ".join([c["type"]] + [f"{k} {v}" for k, v in c.items() if k != "type"]))
+    if top.get("ef_decay") is not None:
+        parts.append("no EF" if top["ef_decay"] == 0 else f"ef_decay {top['ef_decay']:g}")
+    known = {"delay_steps", "delay_correction", "fragments", "delay_mixing", "compress", "ef_decay"}
+    parts += [f"{k}={json.dumps(v)}" for k, v in top.items() if k not in known]
+    return " ".join(parts) or "tau=0, uncompressed"
+
+
+def _json_safe(value):
+    """``value`` with whatever JSON cannot hold (tensors, dtypes) as its ``str``."""
+    return json.loads(json.dumps(value, default=str))
+
+
 CHAR_CONTENDERS: dict[str, tuple[dict[int, int] | None, tuple[int, ...]]] = {
     "sync_dp": (None, ()),
     "local_32": ({32: 8}, ()),
@@ -175,32 +247,46 @@ CHAR_CONTENDERS: dict[str, tuple[dict[int, int] | None, tuple[int, ...]]] = {
 
 
 def _chars_runs(
-    contenders: list[str], lrs: list[float], outer_lrs: list[float]
-) -> list[tuple[str, float, float | None]]:
-    """(contender, inner lr, outer lr) of every run: outer contenders once per outer lr."""
+    contenders: list[str], lrs: list[float], outer_lrs: list[float], tops: list[dict] | None = None
+) -> list[tuple[str, float, float | None, dict]]:
+    """(contender, inner lr, outer lr, top-level settings) of every run: outer contenders once per outer lr, the
+    averaging contenders once per entry of ``tops`` (default ``[{}]``; DDP has no levels, so it runs once)."""
+    tops = tops if tops is not None else [{}]
     runs = []
-    for lr in lrs:
-        for name in contenders:
-            outer = CHAR_CONTENDERS[name][1]
-            runs += [(name, lr, olr) for olr in outer_lrs] if outer else [(name, lr, None)]
+    for top in tops:
+        for lr in lrs:
+            for name in contenders:
+                levels, outer = CHAR_CONTENDERS[name]
+                if levels is None and top:
+                    continue
+                runs += [(name, lr, olr, top) for olr in outer_lrs] if outer else [(name, lr, None, top)]
     return runs
 
 
 def _chars_rank(rank: int, world_size: int, runs, steps: int, batch: int, context: int, d_model: int,
-                outer_momentum: float, seed: int):  # fmt: skip
+                outer_momentum: float, seed: int, eval_mean: bool = False):  # fmt: skip
     import time
 
     import torch
-    from chars_common import TinyTransformerLM, lm_loss, load_char_shard, sample_batch, validation_loss
+    from chars_common import TinyTransformerLM, averaged_copy, lm_loss, load_char_shard, sample_batch, validation_loss
     from digits_common import replicas_identical
 
     from hieravg_optim import HierarchicalAveragingOptimizer
     from hieravg_optim.schedule import level_at
 
     shard = load_char_shard(rank, world_size, context=context)
+    # The evaluation's own group: its all-reduces never share a group with a round in flight.
+    eval_group = torch.distributed.new_group(list(range(world_size))) if eval_mean else None
+
+    def evaluate(model) -> float:
+        if eval_mean:
+            return validation_loss(averaged_copy(model, eval_group), shard, eval_group)
+        return validation_loss(model, shard)
+
     out = []
-    for name, lr, outer_lr in runs:
+    for name, lr, outer_lr, top in runs:
         levels, outer = CHAR_CONTENDERS[name]
+        top_settings = on_level(top, max(levels)) if levels else {}
         model = TinyTransformerLM(d_model=d_model, context=context, seed=seed)
         inner = torch.optim.AdamW(model.parameters(), lr=lr)
         if levels is None:
@@ -210,13 +296,13 @@ def _chars_rank(rank: int, world_size: int, runs, steps: int, batch: int, contex
             from hieravg_optim import nesterov_outer
 
             factories = {p: nesterov_outer(lr=outer_lr, momentum=outer_momentum) for p in outer}
-            net, opt = model, HierarchicalAveragingOptimizer(inner, levels, outer_optimizers=factories)
+            net, opt = model, HierarchicalAveragingOptimizer(inner, levels, outer_optimizers=factories, **top_settings)
             top_period = max(levels)
         else:
-            net, opt = model, HierarchicalAveragingOptimizer(inner, levels)
+            net, opt = model, HierarchicalAveragingOptimizer(inner, levels, **top_settings)
             top_period = max(levels)
         gen = torch.Generator().manual_seed(seed * 100_003 + rank)  # the same batches for every contender
-        curve = [(0, validation_loss(model, shard))]
+        curve = [(0, evaluate(model))]
         eval_seconds = 0.0
         torch.distributed.barrier()
         t0 = time.perf_counter()
@@ -225,27 +311,33 @@ def _chars_rank(rank: int, world_size: int, runs, steps: int, batch: int, contex
             opt.zero_grad()
             lm_loss(net, x, y).backward()
             opt.step()
-            if count % top_period == 0:  # after a top-level round: the replicas are one model
+            if count % top_period == 0:  # after a top-level round: the replicas are one model (unless delayed)
                 t_eval = time.perf_counter()
-                curve.append((count + 1, validation_loss(model, shard)))
+                curve.append((count + 1, evaluate(model)))
                 eval_seconds += time.perf_counter() - t_eval
         seconds = time.perf_counter() - t0 - eval_seconds
         row = {"contender": name, "lr": lr, "outer_lr": outer_lr, "outer_momentum": outer_momentum if outer else None,
                "levels": levels, "outer_periods": list(outer), "curve": curve, "seconds": seconds}  # fmt: skip
-        metrics = _count_rounds(row, opt, levels, steps, name)
+        if top:
+            row["top"] = top
+        strict = not {"delay_steps", "fragments"} & set(top)
+        metrics = _count_rounds(row, opt, levels, steps, name, strict)
         if metrics is not None:
             assert level_at(steps - 1, levels, 0) == len(levels) - 1, "the run must end on a top-level round"
             row["pseudo_grad_norm_last_round"] = {str(p): metrics[p].get("pseudo_grad_norm") for p in levels}
+            if top or eval_mean:
+                row["bytes_sent_per_level"] = {str(p): metrics[p]["bytes_sent"] for p in levels}
+                row["top_level_metrics"] = _json_safe(metrics[max(levels)])
         row["replicas_identical"] = replicas_identical(list(model.parameters()))
         out.append(row)
         if rank == 0:
-            print(f"run {len(out)}/{len(runs)}: {name} lr {lr:g} outer lr {outer_lr}: validation loss "
-                  f"{curve[-1][1]:.4f}, {seconds:.0f} s", file=sys.stderr, flush=True)
+            print(f"run {len(out)}/{len(runs)}: {name} lr {lr:g} outer lr {outer_lr} {_top_label(top)}: validation "
+                  f"loss {curve[-1][1]:.4f}, {seconds:.0f} s", file=sys.stderr, flush=True)
     return out
 
 
 def _row_key(r) -> tuple:
-    return (r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"])
+    return (r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"], json.dumps(r.get("top", {}), sort_keys=True))
 
 
 def _plot_chars(rows, path, title):
@@ -283,35 +375,53 @@ def chars_main(args) -> None:
         raise SystemExit(f"--contenders: unknown {unknown}; choose from {sorted(CHAR_CONTENDERS)}")
     lrs = [float(v) for v in str(args.lr).split(",")]
     outer_lrs = [float(v) for v in args.outer_lr.split(",")]
-    runs = _chars_runs(contenders, lrs, outer_lrs)
+    tops = _tops(args)
+    runs = _chars_runs(contenders, lrs, outer_lrs, tops)
+    for _, _, _, top in runs:
+        on_level(top, 32)  # SystemExit, before any spawn, when this hieravg_optim lacks a setting
     env = environment()
     settings = {"steps": args.steps, "batch": args.batch, "context": args.context, "d_model": args.d_model,
                 "seed": args.seed, "world_size": 8, "corpus": corpus_fingerprint()}  # fmt: skip
+    if args.eval_mean:
+        settings["eval"] = "mean of the replicas"
     print(f"{len(runs)} runs: {runs}", flush=True)
     rows = []
     if runs:
         per_rank = spawn(_chars_rank, 8, runs, args.steps, args.batch, args.context, args.d_model,
-                         args.outer_momentum, args.seed)  # fmt: skip
+                         args.outer_momentum, args.seed, args.eval_mean)  # fmt: skip
         rows = per_rank[0]  # the validation losses are all-reduced: the same on every rank
     for r in rows:
         r["final_val_loss"] = r["curve"][-1][1]
         r["environment_load_average"] = env["load_average_1_5_15"]
+        r["utc_start"] = env["utc"]
+        r["hieravg_optim"] = env["hieravg_optim"]
     path = os.path.join(RESULTS_DIR, f"{args.name}.json")
     redone = {_row_key(r) for r in rows}
-    # "--merge" alone (an empty list) merges this run's own earlier file.
-    for name in (args.merge or [args.name]) if args.merge is not None else []:
+    # "--merge" alone (an empty list) merges this run's own earlier file; --merge-baselines takes only the rows
+    # without top-level settings of its files.
+    merged = [(n, False) for n in ((args.merge or [args.name]) if args.merge is not None else [])]
+    for name, baselines_only in merged + [(n, True) for n in args.merge_baselines or []]:
         earlier_path = os.path.join(RESULTS_DIR, f"{name or args.name}.json")
         if not os.path.exists(earlier_path):
+            if baselines_only:
+                raise SystemExit(f"--merge-baselines: no {earlier_path}")
             continue
         with open(earlier_path) as f:
             earlier = json.load(f)
         if earlier["settings"] != settings:
             raise SystemExit(f"--merge: {earlier_path} has other settings {earlier['settings']}, this run {settings}")
-        kept = [r for r in earlier["rows"] if _row_key(r) not in redone]
+        kept = [r for r in earlier["rows"] if _row_key(r) not in redone and not (baselines_only and r.get("top"))]
         redone |= {_row_key(r) for r in kept}
         rows = kept + rows
     order = list(CHAR_CONTENDERS)
-    rows.sort(key=lambda r: (order.index(r["contender"]), r["lr"], r["outer_lr"] or 0.0, r["outer_momentum"] or 0.0))
+    top_order = [json.dumps(t, sort_keys=True) for t in SWEEPS["delay"] + SWEEPS["compress"]]
+
+    def top_rank(r) -> int:
+        key = json.dumps(r.get("top", {}), sort_keys=True)
+        return top_order.index(key) if key in top_order else len(top_order)
+
+    rows.sort(key=lambda r: (order.index(r["contender"]), r["lr"], r["outer_lr"] or 0.0, r["outer_momentum"] or 0.0,
+                             top_rank(r)))  # fmt: skip
 
     print(f"\nchars, 8 ranks, {args.steps} steps, batch {args.batch}x{args.context} bytes/rank, "
           f"AdamW inner; load average at start {env['load_average_1_5_15']}")
@@ -324,16 +434,146 @@ def chars_main(args) -> None:
         rpl = rpl.replace("grad_allreduce_every_step", "grad")
         outer = f"{r['outer_lr']:g}/{r['outer_momentum']:g}" if r["outer_lr"] else "-"
         print(f"{r['contender']:>16} {r['lr']:7g} {outer:>8} | {rpl:>22} {r['global_rounds']:>6} | "
-              f"{r['final_val_loss']:8.4f} {r['seconds']:6.1f}")
+              f"{r['final_val_loss']:8.4f} {r['seconds']:6.1f}  {_top_label(r['top']) if 'top' in r else ''}")
     checks = _chars_checks(rows)
+    sweep = _sweep_checks(rows)
+    if sweep["rows"]:
+        checks["sweep"] = sweep
     for k, v in checks.items():
-        print(f"{k}: {v}")
+        if k != "sweep":
+            print(f"{k}: {v}")
+    for t in sweep["targets"]:
+        print(f"issue {t['issue']}: {t['label']}: {t['what']} = {t['value']:.4f} (target {t['target']}): "
+              f"{'met' if t['met'] else 'MISSED'}")
     payload = {"environment": env, "settings": settings, "args": vars(args), "rows": rows, "checks": checks}
     write_json(f"{args.name}.json", payload)
     png = os.path.join(RESULTS_DIR, f"{args.name}.png")
-    best = _best_rows(rows)
-    _plot_chars(best, png, f"stdlib bytes, 8 ranks non-IID by file, {args.steps} steps: best inner/outer lr per contender")
+    if any("top" in r for r in rows):
+        _plot_sweep(rows, png, f"stdlib bytes, 8 ranks non-IID by file, {args.steps} steps, top-level settings "
+                    f"({'mean of the replicas' if args.eval_mean else 'rank 0'} evaluated)")  # fmt: skip
+    else:
+        best = _best_rows(rows)
+        _plot_chars(best, png, f"stdlib bytes, 8 ranks non-IID by file, {args.steps} steps: best inner/outer lr per contender")
     print(f"written: {path}, {png}")
+
+
+def _tops(args) -> list[dict] | None:
+    """The top-level settings to run: ``--top``'s JSON objects, or ``--sweep``'s entries (``--only`` picks some)."""
+    if args.top and args.sweep:
+        raise SystemExit("--top and --sweep: give one of them")
+    if args.sweep:
+        tops = SWEEPS[args.sweep]
+        if args.only:
+            picked = [int(i) for i in args.only.split(",")]
+            bad = [i for i in picked if not 0 <= i < len(tops)]
+            if bad:
+                raise SystemExit(f"--only: {bad} are not entries of --sweep {args.sweep} (0..{len(tops) - 1})")
+            tops = [tops[i] for i in picked]
+        return tops
+    if args.only:
+        raise SystemExit("--only picks entries of a --sweep: give --sweep delay or --sweep compress")
+    if not args.top:
+        return None
+    tops = []
+    for text in args.top:
+        try:
+            top = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--top {text!r} is not JSON ({exc}); give an object, e.g. '{{\"delay_steps\": 8}}'") from None
+        if not isinstance(top, dict):
+            raise SystemExit(f"--top {text!r} must be a JSON object of AveragingConfig keywords, e.g. '{{\"fragments\": 4}}'")
+        tops.append(top)
+    return tops
+
+
+SWEEP_TARGETS: list[tuple[int, dict, str, float, float | None]] = [
+    # (issue, top-level settings, what, the largest final validation loss / baseline, the largest bytes / baseline)
+    (24, {"delay_steps": 8}, "tau=8 eager", 1.01, None),
+    (25, {"compress": "int8"}, "int8", 1.005, 0.26),
+    (25, {"compress": TOPK_1PCT}, "topk 1% int8", 1.02, 0.03),
+]
+"""The targets of issues 24 and 25 on the chars LM, each against the ``{}`` row of the same contender and lrs."""
+
+
+def _baseline_key(r) -> tuple:
+    return (r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"])
+
+
+def _last_evals_ratio(row, base, n: int) -> float | None:
+    """The mean over the last ``n`` evaluations (the same counts in both rows) of ``row``'s validation loss over
+    ``base``'s: less sensitive than the final one to where the last round stands at the end of the run."""
+    got, ref = dict(row["curve"]), dict(base["curve"])
+    counts = sorted(set(got) & set(ref))[-n:]
+    return sum(got[c] / ref[c] for c in counts) / len(counts) if len(counts) == n else None
+
+
+def _sweep_checks(rows) -> dict:
+    """Each row with top-level settings against the row without them (same contender and lrs), and the targets.
+
+    Per row, from ``metrics()`` over the same rounds: final validation loss / the baseline's; the top level's
+    ``payload_bytes`` (what a rank puts on the wire per round: the fp32 tensors for an all-reduce, its payload for
+    an all-gather) / the baseline's; its ``bytes_sent`` (what the collective sends per rank: 2 (n - 1) / n x the
+    payload for a ring all-reduce, (n - 1) x for an all-gather) / the baseline's. A target is met when the loss
+    ratio and the payload ratio are at most the target's.
+    """
+    base = {_baseline_key(r): r for r in rows if not r.get("top") and "bytes_sent_per_level" in r}
+    out: dict = {"rows": [], "targets": []}
+    for r in rows:
+        b = base.get(_baseline_key(r))
+        if b is None or "top" not in r:
+            continue
+        top = str(max(int(p) for p in r["bytes_sent_per_level"]))
+        payload, base_payload = r["top_level_metrics"].get("payload_bytes"), b["top_level_metrics"].get("payload_bytes")
+        ratio = {"label": _top_label(r["top"]), "top": r["top"], "contender": r["contender"], "lr": r["lr"],
+                 "outer_lr": r["outer_lr"], "outer_momentum": r["outer_momentum"],
+                 "loss_over_baseline": r["final_val_loss"] / b["final_val_loss"],
+                 "loss_over_baseline_last4": _last_evals_ratio(r, b, 4),
+                 "payload_over_baseline": payload / base_payload if payload is not None and base_payload else None,
+                 "bytes_over_baseline": r["bytes_sent_per_level"][top] / b["bytes_sent_per_level"][top]}  # fmt: skip
+        out["rows"].append(ratio)
+        for issue, settings, label, max_loss, max_bytes in SWEEP_TARGETS:
+            if json.dumps(r["top"], sort_keys=True) != json.dumps(settings, sort_keys=True):
+                continue
+            tag = f"{label}, {r['contender']} lr {r['lr']:g} outer {r['outer_lr']}/{r['outer_momentum']}"
+            loss = ratio["loss_over_baseline"]
+            out["targets"].append({"issue": issue, "label": tag, "what": "final validation loss / baseline",
+                                   "value": loss, "target": f"<= {max_loss:g}", "met": loss <= max_loss})  # fmt: skip
+            if max_bytes is not None:
+                nb = ratio["payload_over_baseline"]
+                out["targets"].append({"issue": issue, "label": tag, "what": "top-level payload bytes / fp32 baseline's",
+                                       "value": float("nan") if nb is None else nb, "target": f"<= {max_bytes:g}",
+                                       "met": nb is not None and nb <= max_bytes})  # fmt: skip
+    return out
+
+
+def _plot_sweep(rows, path, title):
+    """Every row's validation curve, labelled by its top-level settings (one plot per sweep file)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(13, 5.5))
+    for r in rows:
+        top = r.get("top", {})
+        label = f"{_top_label(top)}: {r['final_val_loss']:.4f}"
+        style = "--" if top.get("delay_correction") == "none" or top.get("ef_decay") == 0 else "-"
+        xs, ys = [c[0] for c in r["curve"][1:]], [c[1] for c in r["curve"][1:]]
+        ax.plot(xs, ys, style, marker="o", ms=2.5, label=label)
+        zoom.plot(xs, ys, style, marker="o", ms=2.5, label=label)
+    finals = [r["final_val_loss"] for r in rows]
+    ax.set_ylim(min(finals) - 0.1, min(finals) + 1.0)
+    zoom.set_xlim(rows[0]["curve"][-1][0] * 0.6, rows[0]["curve"][-1][0] * 1.02)
+    zoom.set_ylim(min(finals) - 0.03, max(finals) + 0.08)
+    for a in (ax, zoom):
+        a.set_xlabel("step (validation every 32 steps)")
+        a.set_ylabel("validation loss, nats per byte")
+    zoom.set_title("the last 40% of the run", fontsize=10)
+    ax.set_title(title, fontsize=9)
+    zoom.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _best_rows(rows) -> list[dict]:
@@ -403,9 +643,19 @@ def main() -> None:
                         help=f"chars: comma-separated subset of {list(CHAR_CONTENDERS)}, or none")
     parser.add_argument("--outer-lr", default="0.7", help="chars: outer Nesterov lr, or a comma-separated list")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="chars: outer Nesterov momentum")
+    parser.add_argument("--top", nargs="+", default=None, metavar="JSON",
+                        help="chars: run each averaging contender once per JSON object of AveragingConfig keywords, "
+                        "each value put on the top level only, e.g. '{}' '{\"delay_steps\": 8}'")
+    parser.add_argument("--sweep", choices=sorted(SWEEPS), default=None,
+                        help="chars: --top with the issue's sweep (issue 24: delay, issue 25: compress)")
+    parser.add_argument("--only", default=None, help="chars: comma-separated 0-based entries of --sweep to run")
+    parser.add_argument("--eval-mean", action="store_true",
+                        help="chars: evaluate the mean of the replicas (own process group) instead of rank 0's model")
     parser.add_argument("--merge", nargs="*", default=None, metavar="NAME",
                         help="chars: keep the rows of bench/results/NAME.json (default: this run's own file) that this "
                         "run does not redo; with --contenders none, only merge")
+    parser.add_argument("--merge-baselines", nargs="+", default=None, metavar="NAME",
+                        help="chars: as --merge, only the rows without top-level settings (the baselines of a sweep)")
     parser.add_argument("--name", default=None,
                         help="output files bench/results/NAME.* (default: convergence / convergence_chars)")
     args = parser.parse_args()

@@ -14,8 +14,14 @@
 #   hier: HierarchicalAveragingOptimizer {1: 2, PERIOD: 4} (average inside a node every step,
 #         across nodes every PERIOD steps);
 #   hier_node (with MODES="ddp hier hier_node"): the same, the cross-node level node-aware
-#         (ranks_per_node=2: reduce-scatter in the node, all-reduce across, all-gather).
-# MODES (default "ddp hier") picks the runs.
+#         (ranks_per_node=2: reduce-scatter in the node, all-reduce across, all-gather);
+#   hier_delay, hier_frag, hier_delay_frag: hier with delay_steps=DELAY_STEPS (default 8), fragments=FRAGMENTS
+#         (default 4), or both (the delay then one below the fragment spacing PERIOD / FRAGMENTS) on the
+#         cross-node level (issue 24; compared with hier);
+#   hier_node_int8, hier_node_topk: hier_node with the cross-node level compressed, int8 or top-k of density
+#         TOPK_DENSITY (default 0.01) with int8 values (issue 25; compared with hier_node).
+# MODES (default "ddp hier") picks the runs, in that order. The issue-24 and issue-25 modes need a
+# hieravg_optim with those settings (PYTHONPATH=...); the summary prints each target's ratio, met or missed.
 # Model: a ~19M-parameter MLP on the digits data (bench/multinode_train.py). Reported: wall-clock
 # seconds per step (slowest rank), final training loss and test accuracy of the averaged model.
 # Results: printed, and bench/results/multinode.json.
@@ -37,6 +43,10 @@ RATE="${RATE:-200mbit}"
 WIDTH="${WIDTH:-3072}"
 BATCH="${BATCH:-16}"
 RUN_TIMEOUT="${RUN_TIMEOUT:-900}"
+DELAY_STEPS="${DELAY_STEPS:-8}"
+FRAGMENTS="${FRAGMENTS:-4}"
+TOPK_DENSITY="${TOPK_DENSITY:-0.01}"
+MODES="${MODES:-ddp hier}"
 OUT_NAME="${OUT_NAME:-multinode.json}"
 NS0="hvbench0-$$"
 NS1="hvbench1-$$"
@@ -65,6 +75,12 @@ trap 'exit 130' INT TERM
 command -v ip >/dev/null || skip "iproute2 'ip' not found (apt-get install iproute2)."
 command -v tc >/dev/null || skip "iproute2 'tc' not found (apt-get install iproute2)."
 [ -x "$(dirname "$PY")/torchrun" ] || skip "torchrun not found next to $PY."
+
+# Every mode's settings, checked against this hieravg_optim before anything runs (no process group).
+for mode in $MODES; do
+  "$PY" "$ROOT/bench/multinode_train.py" --check --mode "$mode" --period "$PERIOD" --delay-steps "$DELAY_STEPS" \
+    --fragments "$FRAGMENTS" --topk-density "$TOPK_DENSITY" --out /dev/null || exit 2
+done
 
 ip netns add "$NS0" 2>"$WORK/err" || skip "cannot create a network namespace: $(cat "$WORK/err")"
 ip netns add "$NS1" 2>"$WORK/err" || skip "cannot create a network namespace: $(cat "$WORK/err")"
@@ -111,7 +127,8 @@ run_mode() {
   local mode="$1"
   local common=(--nnodes 2 --nproc_per_node 2 --master_addr "$ADDR0" --master_port "$PORT"
     "$ROOT/bench/multinode_train.py" --mode "$mode" --steps "$STEPS" --period "$PERIOD"
-    --width "$WIDTH" --batch "$BATCH" --out "$WORK/$mode.json")
+    --width "$WIDTH" --batch "$BATCH" --delay-steps "$DELAY_STEPS" --fragments "$FRAGMENTS"
+    --topk-density "$TOPK_DENSITY" --out "$WORK/$mode.json")
   echo "== $mode: $STEPS steps =="
   ip netns exec "$NS0" env OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=v0 \
     timeout "$RUN_TIMEOUT" "$(dirname "$PY")/torchrun" --node_rank 0 "${common[@]}" >"$WORK/$mode.node0.log" 2>&1 &
@@ -132,41 +149,29 @@ run_mode() {
 }
 
 LOAD_AT_START="$(cut -d' ' -f1-3 /proc/loadavg)"
-MODES="${MODES:-ddp hier}"
 for mode in $MODES; do run_mode "$mode"; done
 
-"$PY" - "$WORK" "$RATE" "$LINK_MBPS" "$LOAD_AT_START" "$ROOT/bench/results/$OUT_NAME" <<'EOF'
+# -P: the hieravg_optim of PYTHONPATH (the runs' own), not the one in the current folder.
+"$PY" -P - "$WORK" "$RATE" "$LINK_MBPS" "$LOAD_AT_START" "$ROOT/bench/results/$OUT_NAME" "$MODES" <<'EOF'
 import json, os, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 from _common import environment
-work, rate, mbps, load, out = sys.argv[1:6]
-runs = {m: json.load(open(os.path.join(work, f"{m}.json")))
-        for m in ("ddp", "hier", "hier_node") if os.path.exists(os.path.join(work, f"{m}.json"))}
-h = runs["hier"]
-d = runs.get("ddp", h)
-print(f"\nTwo nodes x 2 ranks, link {rate} (measured {mbps} Mbit/s), model {d['params'] / 1e6:.1f}M params "
-      f"({d['model_bytes'] / 1e6:.0f} MB), {d['steps']} steps, batch {d['batch_per_rank']}/rank; load at start {load}")
-print(f"{'mode':>5} {'levels':>18} | {'s/step mean':>11} {'s/step median':>13} {'total s':>8} | {'final loss':>10} {'test acc %':>10}")
-for m, r in runs.items():
-    lv = str(r["levels"]) if r["levels"] else "grad all-reduce"
-    print(f"{m:>5} {lv:>18} | {r['seconds_per_step_mean']:11.3f} {r['seconds_per_step_median']:13.3f} "
-          f"{r['seconds_total']:8.1f} | {r['final_train_loss_avg_model']:10.4f} {100 * r['final_test_accuracy_avg_model']:10.2f}")
-speedup = d["seconds_per_step_mean"] / h["seconds_per_step_mean"] if "ddp" in runs else None
-if speedup is not None:
-    print(f"wall-clock per step, ddp / hier: {speedup:.2f}x")
-for name in ("hier", "hier_node"):
-    for p, m in runs.get(name, {}).get("metrics", {}).items():
-        print(f"{name} level period {p}: {m['rounds']} rounds, {m['bytes_sent'] / 1e6:.0f} MB sent by rank 0, {m['seconds']:.1f} s")
-if "hier_node" in runs:
-    top = max(h["metrics"], key=int)
-    flat_s = h["metrics"][top]["seconds"] / h["metrics"][top]["rounds"]
-    node_s = runs["hier_node"]["metrics"][top]["seconds"] / runs["hier_node"]["metrics"][top]["rounds"]
-    print(f"cross-node round (period {top}), node-aware / flat ring: {node_s:.2f} s / {flat_s:.2f} s = {node_s / flat_s:.2f}")
+from report import multinode_modes
+work, rate, mbps, load, out, modes = sys.argv[1:7]
+runs = {m: json.load(open(os.path.join(work, f"{m}.json"))) for m in modes.split()}
+h = runs.get("hier")
+speedup = runs["ddp"]["seconds_per_step_mean"] / h["seconds_per_step_mean"] if "ddp" in runs and h else None
 env = environment()
 env["load_average_at_start"] = load
 env["command"] = "bench/multinode.sh"
+result = {"environment": env, "rate": rate, "measured_link_mbit_s": float(mbps), "runs": runs,
+          "speedup_ddp_over_hier_per_step": speedup}
+print()
+print(multinode_modes(result), end="")
+for name, r in runs.items():
+    for p, m in r.get("metrics", {}).items():
+        print(f"{name} level period {p}: {m['rounds']} rounds, {m['bytes_sent'] / 1e6:.0f} MB sent by rank 0, {m['seconds']:.1f} s")
 os.makedirs(os.path.dirname(out), exist_ok=True)
-json.dump({"environment": env, "rate": rate, "measured_link_mbit_s": float(mbps), "runs": runs,
-           "speedup_ddp_over_hier_per_step": speedup}, open(out, "w"), indent=2)
+json.dump(result, open(out, "w"), indent=2)
 print(f"written: {out}")
 EOF

@@ -7,7 +7,16 @@ plain SGD, ``--steps`` steps, per-rank batch ``--batch``. Modes:
   the slow link every step;
 * ``hier``: :class:`hieravg_optim.HierarchicalAveragingOptimizer` with ``{1: L, P: W}``
   (L = ranks per node): the parameters are averaged inside a node after every step and
-  across nodes every ``P`` steps.
+  across nodes every ``P`` steps;
+* ``hier_node``: ``hier`` with the cross-node level node-aware (``ranks_per_node=L``);
+* ``hier_delay``: ``hier`` with ``delay_steps=--delay-steps`` on the cross-node level (issue 24);
+* ``hier_frag``: ``hier`` with ``fragments=--fragments`` on the cross-node level;
+* ``hier_delay_frag``: both, ``delay_steps`` one below the fragment spacing ``P // --fragments``;
+* ``hier_node_int8`` / ``hier_node_topk``: ``hier_node`` with the cross-node level compressed
+  (issue 25): ``{"type": "int8"}``, or top-k of density ``--topk-density`` with int8 values.
+
+The delay, fragment and compression modes need a ``hieravg_optim`` that has those settings;
+without them the run stops with SystemExit naming the setting, before any process group.
 
 Rank 0 writes JSON to ``--out``: seconds per step (each step timed on every rank, the
 slowest rank's time taken), the mean over all steps, and the final training loss and
@@ -32,6 +41,26 @@ from digits_common import batches, load_digits_shard  # noqa: E402
 
 from hieravg_optim import HierarchicalAveragingOptimizer  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import code_revision, on_level  # noqa: E402
+
+MODES = ("ddp", "hier", "hier_node", "hier_delay", "hier_frag", "hier_delay_frag", "hier_node_int8", "hier_node_topk")
+
+
+def mode_settings(mode: str, args: argparse.Namespace) -> tuple[bool, dict]:
+    """(node-aware cross-node level?, the cross-node level's feature settings) of a hierarchical ``mode``."""
+    fragment_delay = max(0, args.period // args.fragments - 1)
+    topk = {"type": "topk", "density": args.topk_density, "values": "int8"}
+    return {
+        "hier": (False, {}),
+        "hier_node": (True, {}),
+        "hier_delay": (False, {"delay_steps": args.delay_steps}),
+        "hier_frag": (False, {"fragments": args.fragments}),
+        "hier_delay_frag": (False, {"delay_steps": fragment_delay, "fragments": args.fragments}),
+        "hier_node_int8": (True, {"compress": {"type": "int8"}}),
+        "hier_node_topk": (True, {"compress": topk}),
+    }[mode]
+
 
 def build(width: int) -> torch.nn.Module:
     torch.manual_seed(0)
@@ -45,14 +74,27 @@ def build(width: int) -> torch.nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("ddp", "hier", "hier_node"), required=True)
+    parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--period", type=int, default=16, help="hier: steps between cross-node averaging rounds")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--width", type=int, default=3072)
+    parser.add_argument("--delay-steps", type=int, default=8, help="hier_delay: delay_steps of the cross-node level")
+    parser.add_argument("--fragments", type=int, default=4, help="hier_frag, hier_delay_frag: fragments of it")
+    parser.add_argument("--topk-density", type=float, default=0.01, help="hier_node_topk: top-k density")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--check", action="store_true",
+                        help="only check that this hieravg_optim has the mode's settings (no process group)")
     args = parser.parse_args()
+    node_aware, settings = (False, {}) if args.mode == "ddp" else mode_settings(args.mode, args)
+    top_settings = on_level(settings, args.period)  # SystemExit here if this build lacks a setting
+    if args.check:  # the values too, against the levels (local checks of AveragingConfig.create)
+        if args.mode != "ddp":
+            from hieravg_optim import AveragingConfig
+
+            AveragingConfig.create({1: 2, args.period: 4}, ranks_per_node=2 if node_aware else None, **top_settings)
+        return
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -62,15 +104,16 @@ def main() -> None:
     model = build(args.width)
     n_params = sum(p.numel() for p in model.parameters())
     inner = torch.optim.SGD(model.parameters(), lr=args.lr)
+    rpn = None
     if args.mode == "ddp":
         net, opt = torch.nn.parallel.DistributedDataParallel(model), inner
         levels = None
     else:
         levels = {1: local, args.period: world}
-        # hier_node: the cross-node level averages node-aware (reduce-scatter in the node, all-reduce
-        # of the shards across nodes, all-gather in the node); hier: one flat ring over all ranks.
-        rpn = local if args.mode == "hier_node" else None
-        net, opt = model, HierarchicalAveragingOptimizer(inner, levels, ranks_per_node=rpn)
+        # Node-aware: the cross-node level reduces in the node (reduce-scatter), crosses nodes with the
+        # shards (all-reduce, or the compressed exchange), all-gathers in the node; else one flat ring.
+        rpn = local if node_aware else None
+        net, opt = model, HierarchicalAveragingOptimizer(inner, levels, ranks_per_node=rpn, **top_settings)
 
     step_s = []
     losses = []
@@ -114,6 +157,9 @@ def main() -> None:
     result = {
         "mode": args.mode,
         "levels": levels,
+        "ranks_per_node_setting": rpn,
+        "cross_node_settings": settings,
+        "hieravg_optim": code_revision(),
         "world_size": world,
         "ranks_per_node": local,
         "params": n_params,
@@ -132,7 +178,7 @@ def main() -> None:
         result["metrics"] = {str(k): v for k, v in opt.metrics().items()}
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(result, f, indent=2, default=str)  # default: metrics values that are not JSON types
     dist.destroy_process_group()
 
 

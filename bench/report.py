@@ -4,9 +4,11 @@
     python bench/report.py --docs   # write them to docs/snippets/bench_<name>.md for the docs site,
                                     # and copy bench/results/convergence*.png to docs/img/
 
-Reads whatever of ``averaging.json``, ``overhead.json``, ``convergence.json``,
-``convergence_chars.json``, ``convergence_chars_long.json`` and ``multinode.json`` exists; it
-measures nothing itself. ``docs/performance.md`` includes the ``--docs`` files (``--8<--``
+Reads whatever of ``averaging.json``, ``codecs.json``, ``overhead.json``, ``convergence.json``,
+``convergence_chars.json``, ``convergence_chars_long.json``, ``convergence_chars_delay.json`` and
+``convergence_chars_compress.json`` (the sweeps of issues 24 and 25), ``multinode.json``,
+``multinode_delay.json`` and ``multinode_compress.json`` exists; it measures nothing itself: the
+targets' ratios are computed here from the recorded runs, met or missed. ``docs/performance.md`` includes the ``--docs`` files (``--8<--``
 snippets), so rerun it after a benchmark rewrites its results.
 """
 
@@ -23,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 DOCS_SNIPPETS = os.path.join(ROOT, "docs", "snippets")
 DOCS_IMAGES = os.path.join(ROOT, "docs", "img")
-PLOTS = ("convergence.png", "convergence_chars.png", "convergence_chars_long.png")
+PLOTS = ("convergence.png", "convergence_chars.png", "convergence_chars_long.png", "convergence_chars_delay.png",
+         "convergence_chars_compress.png")
 """Plots under ``bench/results/`` that the performance page shows, copied by ``--docs``."""
 
 
@@ -33,6 +36,16 @@ def _load(name: str):
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def _bench_module(name: str):
+    """``bench/NAME.py`` as a module (the benchmark's own functions that compute its targets)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _writer(out: list[str]) -> Callable[..., None]:
@@ -48,12 +61,16 @@ def _mb(b: float) -> str:
     return f"{b / 1e6:.1f}"
 
 
+def _measured(env) -> str:
+    """When and under which load a timing benchmark ran, the start of its tables' first line."""
+    return f"Measured {env['utc']}, load average {env['load_average_1_5_15']} on {env['host_cpus']} CPUs; "
+
+
 def averaging(d) -> str:
     out: list[str] = []
     w = _writer(out)
     env = d["environment"]
-    w(f"Measured {env['utc']}, load average {env['load_average_1_5_15']} on {env['host_cpus']} CPUs; "
-      f"median of {d['reps']} rounds (slowest rank); peak extra memory: {d['memory_method']}.\n")
+    w(f"{_measured(env)}median of {d['reps']} rounds (slowest rank); peak extra memory: {d['memory_method']}.\n")
     guarded = all("ours_raw" in r["median_s"] and "guard_fraction_cpu_paired_median" in r for r in d["rows"])
     if guarded:
         w("*ours* is the default round (`nonfinite=\"raise\"`: agreement, non-finite guard, averaging), *raw* "
@@ -116,6 +133,23 @@ def overhead(d) -> str:
     return "".join(out)
 
 
+def codecs(d) -> str:
+    """``bench/codecs.py``: each codec's encode and decode against the all-reduce floor, per size and world size."""
+    out: list[str] = []
+    w = _writer(out)
+    env = d["environment"]
+    w(f"{_measured(env)}median of {d['reps']} repetitions (slowest rank); one flat float32 tensor per rank.\n")
+    w("| codec | elements | ranks | floor s | encode s | decode s (all payloads) | all-gather s | payload / fp32 | "
+      "(encode + decode) / floor | (encode + all-gather + decode) / floor |")
+    w("|---|---|---|---|---|---|---|---|---|---|")
+    for r in d["rows"]:
+        m = r["median_s"]
+        w(f"| `{json.dumps(r['spec'])}` | {r['numel'] / 1e6:.0f}M | {r['world_size']} | {m['floor']:.3f} | "
+          f"{m['encode']:.3f} | {m['decode']:.3f} | {m['exchange']:.3f} | {r['payload_over_fp32']:.4f} | "
+          f"{r['codec_over_floor']:.2f} | {r['compressed_round_over_floor']:.2f} |")
+    return "".join(out)
+
+
 def convergence(d) -> str:
     out: list[str] = []
     w = _writer(out)
@@ -163,6 +197,54 @@ def convergence_chars(d) -> str:
     return "".join(out)
 
 
+def convergence_sweep(d) -> str:
+    """A sweep of top-level settings on the chars LM (``--sweep delay`` / ``--sweep compress``): per row the final
+    validation loss and the top level's bytes against the row without the settings, and the issues' targets,
+    computed from the rows by ``bench/convergence.py``'s ``_sweep_checks``, met or missed."""
+    out: list[str] = []
+    w = _writer(out)
+    st = d["settings"]
+    corpus = st["corpus"]
+    w(f"{st['steps']} steps, batch {st['batch']} windows of {st['context']} bytes per rank, transformer width "
+      f"{st['d_model']}, AdamW inner; data: Python {corpus['python']}'s stdlib, {corpus['files']} files; evaluated: "
+      f"{st.get('eval', 'the model of rank 0')}, after the last step. Seconds: training only, 8 ranks sharing 2 "
+      "cores with other jobs; started and load average: at the start of the invocation that ran the row.\n")
+    sweep = _bench_module("convergence")._sweep_checks(d["rows"])  # computed from the rows, with today's targets
+    ratios = {(r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"], json.dumps(r["top"], sort_keys=True)): r
+              for r in sweep["rows"]}  # fmt: skip
+    w("| contender | inner lr | outer lr / momentum | top-level settings | rounds per level (`metrics()`) | "
+      "validation loss | / baseline | / baseline, last 4 evaluations | top-level payload MB per rank | / baseline | top-level MB sent per rank | "
+      "/ baseline | started (UTC) | load average | s | hieravg_optim |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in d["rows"]:
+        top = r.get("top", {})
+        key = (r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"], json.dumps(top, sort_keys=True))
+        ratio = ratios.get(key)
+        loss_ratio = f"{ratio['loss_over_baseline']:.4f}" if ratio else "-"
+        last4 = f"{ratio['loss_over_baseline_last4']:.4f}" if ratio and ratio["loss_over_baseline_last4"] else "-"
+        bytes_ratio = f"{ratio['bytes_over_baseline']:.4f}" if ratio else "-"
+        payload_ratio = f"{ratio['payload_over_baseline']:.4f}" if ratio and ratio["payload_over_baseline"] else "-"
+        payload = r.get("top_level_metrics", {}).get("payload_bytes")
+        top_payload = _mb(payload) if payload is not None else "-"
+        rpl = ", ".join(f"{k}: {v}" for k, v in r["rounds_per_level"].items())
+        outer = f"{r['outer_lr']:g} / {r['outer_momentum']:g}" if r["outer_lr"] else "-"
+        sent = r.get("bytes_sent_per_level", {})
+        top_sent = _mb(sent[str(max(int(p) for p in sent))]) if sent else "-"
+        label = "`" + json.dumps(top) + "`" if top else "- (baseline)"
+        load = r.get("environment_load_average", ["?"])[0]
+        w(f"| {r['contender']} | {r['lr']:g} | {outer} | {label} | {rpl} | {r['final_val_loss']:.4f} | {loss_ratio} | {last4} | "
+          f"{top_payload} | {payload_ratio} | {top_sent} | {bytes_ratio} | "
+          f"{r['utc_start'].replace('T', ' ').rstrip('Z') if 'utc_start' in r else '-'} | {load} | {r['seconds']:.0f} | "
+          f"{(r.get('hieravg_optim') or {}).get('revision') or '-'} |")
+    if sweep["targets"]:
+        w("\n| feature | row | measure | value | target | |")
+        w("|---|---|---|---|---|---|")
+        for t in sweep["targets"]:
+            w(f"| {FEATURES[t['issue']]} | {t['label']} | {t['what']} | {t['value']:.4f} | {t['target']} | "
+              f"{'met' if t['met'] else '**missed**'} |")
+    return "".join(out)
+
+
 def multinode(d) -> str:
     out: list[str] = []
     w = _writer(out)
@@ -181,10 +263,100 @@ def multinode(d) -> str:
     w(f"\nWall-clock per step, DDP / hierarchical: **{d['speedup_ddp_over_hier_per_step']:.2f}x**.")
     return "".join(out)
 
+
+FEATURES = {24: "delayed rounds, fragments", 25: "compressed rounds"}
+"""The feature each target belongs to (the number of the issue that asks for it, in the results files)."""
+
+MULTINODE_TARGETS = {
+    # mode -> (baseline mode in the same run, issue)
+    "hier_delay": ("hier", 24), "hier_frag": ("hier", 24), "hier_delay_frag": ("hier", 24),
+    "hier_node_int8": ("hier_node", 25), "hier_node_topk": ("hier_node", 25),
+}
+"""The feature modes of ``bench/multinode.sh`` and the mode of the same run each one is compared with."""
+
+
+def cross_node_round_s(r) -> float | None:
+    """Seconds per cross-node round from the run's ``metrics()`` (the top level's ``seconds`` / ``rounds``)."""
+    metrics = r.get("metrics")
+    if not metrics:
+        return None
+    top = metrics[max(metrics, key=int)]
+    return top["seconds"] / top["rounds"] if top["rounds"] else None
+
+
+def multinode_checks(runs) -> list[dict]:
+    """The issue-24 and issue-25 targets of each feature mode against its baseline in the same run, computed.
+
+    Issue 24 (delay, fragments, against ``hier``): the slowest step at most 1.5x the median step; the mean
+    seconds per step at least 1.25x better; the final training loss within 1%. Issue 25 (compressed, against
+    ``hier_node``): a cross-node round at least 3x shorter; the final training loss within 1%.
+    """
+    checks = []
+    for mode, (base_mode, issue) in MULTINODE_TARGETS.items():
+        if mode not in runs or base_mode not in runs:
+            continue
+        r, base = runs[mode], runs[base_mode]
+        loss_ratio = r["final_train_loss_avg_model"] / base["final_train_loss_avg_model"]
+
+        def check(what, value, target, met):
+            checks.append({"issue": issue, "mode": mode, "baseline": base_mode, "what": what, "value": value,
+                           "target": target, "met": bool(met)})  # fmt: skip
+
+        if issue == 24:
+            slow = max(r["seconds_per_step"]) / r["seconds_per_step_median"]
+            check("slowest step / median step", slow, "<= 1.5", slow <= 1.5)
+            speed = base["seconds_per_step_mean"] / r["seconds_per_step_mean"]
+            check(f"mean s/step, {base_mode} / {mode}", speed, ">= 1.25", speed >= 1.25)
+        else:
+            base_s, s = cross_node_round_s(base), cross_node_round_s(r)
+            ratio = base_s / s if base_s and s else float("nan")
+            check(f"cross-node round s, {base_mode} / {mode}", ratio, ">= 3", ratio >= 3)
+        check(f"final loss, {mode} / {base_mode}", loss_ratio, "within 1%", abs(loss_ratio - 1) <= 0.01)
+    return checks
+
+
+def multinode_modes(d) -> str:
+    """The runs of ``bench/multinode.sh`` with feature modes: per mode the step times, the cross-node round, the
+    final loss, and the targets of issues 24 and 25 (:func:`multinode_checks`) with their ratios, met or missed."""
+    out: list[str] = []
+    w = _writer(out)
+    runs, env = d["runs"], d["environment"]
+    first = next(iter(runs.values()))
+    w(f"Link {d['rate']} (measured {d['measured_link_mbit_s']:.0f} Mbit/s), model {first['params'] / 1e6:.1f}M "
+      f"parameters ({_mb(first['model_bytes'])} MB), {first['steps']} steps, batch {first['batch_per_rank']} per rank; "
+      f"measured {env['utc']} (end), load average at start {env['load_average_at_start']}.\n")
+    w("| mode | levels | cross-node settings | s/step mean | median | slowest | slowest / median | "
+      "s in a cross-node round (`metrics()`: seconds / rounds) | MB sent per rank, cross-node level | final training loss | test accuracy % |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|")
+    for mode, r in runs.items():
+        lv = "gradient all-reduce every step" if not r["levels"] else "`" + json.dumps(r["levels"]) + "`"
+        settings = dict(r.get("cross_node_settings") or {})
+        if r.get("ranks_per_node_setting"):
+            settings = {"ranks_per_node": r["ranks_per_node_setting"], **settings}
+        st = "`" + json.dumps(settings) + "`" if settings else "-"
+        steps = r["seconds_per_step"]
+        round_s = cross_node_round_s(r)
+        metrics = r.get("metrics") or {}
+        sent = _mb(metrics[max(metrics, key=int)]["bytes_sent"]) if metrics else "-"
+        w(f"| {mode} | {lv} | {st} | {r['seconds_per_step_mean']:.3f} | {r['seconds_per_step_median']:.3f} | "
+          f"{max(steps):.3f} | {max(steps) / r['seconds_per_step_median']:.2f} | "
+          f"{'-' if round_s is None else f'{round_s:.2f}'} | {sent} | {r['final_train_loss_avg_model']:.4f} | "
+          f"{100 * r['final_test_accuracy_avg_model']:.2f} |")
+    checks = multinode_checks(runs)
+    if checks:
+        w("\n| feature | mode | against | measure | value | target | |")
+        w("|---|---|---|---|---|---|---|")
+        for c in checks:
+            w(f"| {FEATURES[c['issue']]} | {c['mode']} | {c['baseline']} | {c['what']} | {c['value']:.3f} | {c['target']} | "
+              f"{'met' if c['met'] else '**missed**'} |")
+    return "".join(out)
+
+
 SECTIONS: tuple[tuple[str, Callable[[dict], str]], ...] = (
-    ("averaging", averaging), ("overhead", overhead), ("convergence", convergence),
+    ("averaging", averaging), ("codecs", codecs), ("overhead", overhead), ("convergence", convergence),
     ("convergence_chars", convergence_chars), ("convergence_chars_long", convergence_chars),
-    ("multinode", multinode),
+    ("convergence_chars_delay", convergence_sweep), ("convergence_chars_compress", convergence_sweep),
+    ("multinode", multinode), ("multinode_delay", multinode_modes), ("multinode_compress", multinode_modes),
 )
 
 
