@@ -47,6 +47,11 @@ all-reduces, from :meth:`HierarchicalAverager.metrics`, are model / 2.
 timed in the same processes (A/B).
 
 Results: printed, and written to ``bench/results/averaging.json``.
+
+``--breakdown`` times the phases of the default round instead (agreement, the all-reduce calls alone, pack,
+unpack, the in-place division, the guard's check and fused pass), each on its own in the same processes,
+interleaved with the whole round and the floor (``_breakdown_rank``), written to
+``bench/results/averaging_breakdown.json``: where the time of a round goes (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The package of this checkout, not an installed one (the spawned ranks inherit sys.path).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import PeakMemory, environment, median, spawn, transformer_shapes, write_json  # noqa: E402
 

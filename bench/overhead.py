@@ -28,6 +28,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The package of this checkout, not an installed one (the spawned ranks inherit sys.path).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import environment, median, spawn, transformer_shapes, write_json  # noqa: E402
 

@@ -35,7 +35,8 @@ def has_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
     Exact, and read once: one reduction of every tensor, propagating NaN and infinities, checked together per
     (device, dtype) with one host synchronisation per group (one in all for a model of one dtype on one
     device). On CPU the reduction is the sum (``Tensor.sum``, float16 summed in float32), the cheapest read
-    there (15-25% faster than the 2-norm's squares, ``bench/nonfinite.py``); elsewhere the 2-norm, one
+    there (15-25% faster than the 2-norm's squares on a free core, as fast where the memory is the bottleneck,
+    ``bench/nonfinite.py``); elsewhere the 2-norm, one
     ``torch._foreach_norm`` call per group (one fused pass on CUDA, as in ``torch.nn.utils.clip_grad_norm_``;
     float16 in float32). Either is non-finite whenever an element is (NaN plus anything is NaN, an infinity
     plus a finite value an infinity, two opposite infinities NaN); it can also be non-finite for finite
