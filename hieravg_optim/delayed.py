@@ -32,8 +32,7 @@ from .faults import named_collective
 from .groups import LevelGroup, build_level_groups, timeout_seconds
 from .metrics import LevelMetrics, bytes_sent
 from .nonfinite import has_nonfinite, skip_nonfinite
-from .replica import replica_any
-from .rounds import _sync_anchors, round_name
+from .rounds import _sync_anchors, replica_vote, round_name
 from ._validation import is_int
 from .schedule import fragment_offsets, period_of_key
 from .tensors import local_tensor
@@ -288,12 +287,7 @@ class DelayedRounds:
                         )
                     except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
                         local, error = False, error or exc
-                    with named_collective(
-                        f"the agreement of the replica's ranks on whether it is finite, before {name}",
-                        replica_ranks,
-                        timeout_s=timeout_seconds(config, replica_group),
-                    ):
-                        nonfinite = replica_any(local, replica_group)
+                    nonfinite = replica_vote(local, name, config, replica_group, replica_ranks)
                 bad = check_agreement(
                     chosen,
                     lg.group,

@@ -23,6 +23,25 @@ N_TENSORS = 4
 SHAPE = (3,)
 
 
+def capture_round_inputs(delayed, read) -> dict:
+    """Make ``delayed`` (an averager's DelayedRounds) store ``read()`` under ``"start"`` right before each round
+    starts and under ``"apply"`` right before each round is applied; returns the dict. ``read`` may be collective
+    (every rank starts and applies its rounds at the same counts)."""
+    captured: dict = {}
+    original_start, original_apply = delayed.start, delayed.apply
+
+    def start(*args, **kwargs):
+        captured["start"] = read()
+        return original_start(*args, **kwargs)
+
+    def apply(*args, **kwargs):
+        captured["apply"] = read()
+        return original_apply(*args, **kwargs)
+
+    delayed.start, delayed.apply = start, apply
+    return captured
+
+
 def _increment(rank: int, count: int, position: int) -> float:
     return 0.25 * (rank + 1) * (count % 3 + 1) + 0.5 * position
 
