@@ -259,6 +259,10 @@ def _overlap_is_real(rank, world):
     # eager: the mean of the snapshots at count 4 plus this rank's progress since (two increments of rank)
     assert torch.equal(tensors[0], torch.full((1 << 20,), (world - 1) / 2 + 2.0 * rank))
     assert averager.apply_rounds_in_flight(tensors) == 0
+    # More fragments than tensors: a ValueError on every rank at the first round, before any collective of it.
+    split = HierarchicalAverager(AveragingConfig.create({4: world}, fragments=2))
+    with pytest.raises(ValueError, match=r"fragments=2 at this level, but its rounds average 1 tensors.*fragments=1"):
+        split.step_and_average(lambda: tensors)
     dist.barrier()
     return True
 
