@@ -212,7 +212,7 @@ class AveragingConfig:
     (see :attr:`delay_correction`, :attr:`delay_mixing` and ``docs/semantics.md``). Must be below the level's
     period and below its fragment spacing (:attr:`fragments`); warm-up rounds (counts below ``warmup_steps``)
     stay synchronous. Memory per level while a round is in flight: one copy of the round's tensors (two with
-    the ``"eager"`` correction). Streaming DiLoCo's overlapping (https://arxiv.org/abs/2501.18512), Eager
+    the ``"eager"`` correction; that second copy, the snapshot, on :attr:`outer_state_device` when it is set). Streaming DiLoCo's overlapping (https://arxiv.org/abs/2501.18512), Eager
     updates (https://arxiv.org/abs/2502.12996), torchft's ``fragment_sync_delay``."""
 
     fragments: tuple[int, ...] = ()

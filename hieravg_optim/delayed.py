@@ -314,7 +314,9 @@ class DelayedRounds:
             raise error
         with torch.no_grad():
             wire = [local_tensor(t).detach().clone() for t in chosen]
-            snapshot = [w.clone() for w in wire] if eager and not replaced else None
+            # theta_t never travels: with outer_state_device (e.g. "cpu") it is kept off the accelerator.
+            where = config.outer_state_device
+            snapshot = [w.to(device=where or w.device, copy=True) for w in wire] if eager and not replaced else None
         bg = self.background.get(level_index, lg)
         round_ = InFlightRound(
             level_index=level_index, fragment=fragment, indices=indices, started=count, apply_at=count + tau,

@@ -138,7 +138,8 @@ class _Simulation:
                 self.flight[li] = entry
 
 
-def _run(rank, world, levels, *, delay=None, fragments=None, correction=None, alpha=None, outer=None, steps=24):
+def _run(rank, world, levels, *, delay=None, fragments=None, correction=None, alpha=None, outer=None, steps=24,
+         outer_state_device=None):
     from hieravg_optim import AveragingConfig, HierarchicalAverager
 
     delay, fragments, correction, alpha = delay or {}, fragments or {}, correction or {}, alpha or {}
@@ -148,7 +149,7 @@ def _run(rank, world, levels, *, delay=None, fragments=None, correction=None, al
     }
     config = AveragingConfig.create(
         levels, delay_steps=delay, fragments=fragments, delay_correction=correction or "eager", delay_mixing=alpha or 0.0,
-        outer_optimizers=factories,
+        outer_optimizers=factories, outer_state_device=outer_state_device,
     )  # fmt: skip
     averager = HierarchicalAverager(config)
     periods = list(levels)
@@ -185,6 +186,7 @@ def _scenarios(rank, world):
     return run_scenarios(
         {
             "eager": lambda r: _run(r, world, levels, delay={8: 3}),
+            "eager_snapshot_on_cpu": lambda r: _run(r, world, levels, delay={8: 3}, outer_state_device="cpu"),
             "none_mixed": lambda r: _run(r, world, levels, delay={8: 3}, correction={8: "none"}, alpha={8: 0.5}),
             "both_delayed": lambda r: _run(r, world, levels, delay={2: 1, 8: 5}, alpha={2: 0.25}),
             "fragments_delayed": lambda r: _run(r, world, levels, delay={2: 1, 8: 1}, fragments={8: 4}),
