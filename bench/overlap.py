@@ -47,10 +47,13 @@ def main() -> None:
     parser.add_argument("--compute-ms", type=float, default=60.0)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--delays", default="0,1,3")
+    parser.add_argument("--show", action="store_true", help="print rank 0's seconds per step too")
     args = parser.parse_args()
     rows = []
     for delay in (int(d) for d in args.delays.split(",")):
         times = spawn(_run, 2, args.mb, args.period, args.compute_ms, args.steps, delay)[0]
+        if args.show:
+            print(f"delay_steps={delay}:", " ".join(f"{t:.2f}" for t in times))
         rows.append((delay, median(times), max(times), sum(times) / len(times)))
     base = rows[0]
     print(f"{args.mb:g} MB, period {args.period}, inner step {args.compute_ms:g} ms, 2 gloo ranks")
