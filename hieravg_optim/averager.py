@@ -299,6 +299,10 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         First the rounds due at ``count`` are applied (in level order), then the rounds of :meth:`DelayedRounds.plan`
         start (in level order): at a level with neither a delay nor fragments, the synchronous round over its part of
         the tensors. Returns the highest level that applied or started a round, or ``None``.
+
+        If ``tensors``, ``check`` or ``context`` raises, the error is raised on every rank of the first round that
+        starts at ``count`` (in its agreement); at a count where rounds are only applied (a local step, once their
+        collectives have completed), on this rank alone, after waiting for them.
         """
         delayed = self._delayed
         assert delayed is not None

@@ -209,13 +209,14 @@ class AveragingConfig:
 
     Given as one non-negative integer or ``{period: steps}``, e.g. ``{32: 4}``. A level's round (or fragment round)
     that starts at count ``t`` checks and agrees synchronously as usual, copies the tensors (the *snapshot*, sharded
-    like them), and all-reduces the copy in the background (its own process groups, a thread) while the next ``tau``
-    inner steps run; it is applied at count ``t + tau``, before that count's own round, on every rank of the group
-    (see :attr:`delay_correction`, :attr:`delay_mixing` and ``docs/semantics.md``). Must be below the level's
-    period and below its fragment spacing (:attr:`fragments`); warm-up rounds (counts below ``warmup_steps``)
-    stay synchronous. Memory per level while a round is in flight: one copy of the round's tensors (two with
-    the ``"eager"`` correction). Streaming DiLoCo's overlapping (https://arxiv.org/abs/2501.18512), Eager
-    updates (https://arxiv.org/abs/2502.12996), torchft's ``fragment_sync_delay``."""
+    like them), and all-reduces the copy in the background (asynchronous collectives over its own process groups)
+    while the next ``tau`` inner steps run; it is applied at count ``t + tau``, before that count's own round, on
+    every rank of the group (see :attr:`delay_correction`, :attr:`delay_mixing` and ``docs/semantics.md``). Must
+    be below the level's period and below its fragment spacing (:attr:`fragments`); warm-up rounds (counts below
+    ``warmup_steps``) stay synchronous. Memory per level while a round is in flight: one copy of the round's
+    tensors (two with the ``"eager"`` correction; the second, the snapshot, on :attr:`outer_state_device` when it
+    is set). Streaming DiLoCo's overlapping (https://arxiv.org/abs/2501.18512), Eager updates
+    (https://arxiv.org/abs/2502.12996), torchft's ``fragment_sync_delay``."""
 
     fragments: tuple[int, ...] = ()
     """The number of fragments ``F`` of each level, in level order; ``()`` (default): 1 at every level.

@@ -2,7 +2,8 @@
 
 A level with ``delay_steps`` ``tau > 0`` starts its round at count ``t`` as usual (the agreement check and the
 non-finite vote, synchronously), copies the round's tensors (the *snapshot*: local tensors, sharded like them),
-and all-reduces the copy in a background thread, over process groups of its own, while the next ``tau`` inner
+and all-reduces the copy in the background (asynchronous collectives on packed copies; a Python thread for
+node-aware levels and the checked float16 wire), over process groups of its own, while the next ``tau`` inner
 steps run; the round is applied at count ``t + tau`` (:class:`DelayedRounds`). A level with ``fragments``
 ``F > 1`` splits its tensors into ``F`` fragments, each with its own round at staggered counts
 (:func:`fragment_of`, :meth:`DelayedRounds.plan`). The settings are fields of
@@ -27,13 +28,14 @@ import torch.distributed as dist
 from .agreement import check_agreement
 from .anchors import OuterLevels
 from .averaging import BucketPool, average_tensors_
+from .averaging.checked_wire import CHECKED_WIRE
+from .comm_dtype import wire_dtype
 from .config import AveragingConfig
 from .faults import named_collective
 from .groups import LevelGroup, build_level_groups, timeout_seconds
 from .metrics import LevelMetrics, bytes_sent
 from .nonfinite import has_nonfinite, skip_nonfinite
-from .replica import replica_any
-from .rounds import _sync_anchors, round_name
+from .rounds import _sync_anchors, replica_vote, round_name
 from ._validation import is_int
 from .schedule import fragment_offsets, period_of_key
 from .tensors import local_tensor
@@ -66,6 +68,28 @@ def split_fragments(nbytes: Sequence[int], fragments: int) -> list[range]:
         bounds.append(min(range(lo, hi + 1), key=lambda k: (abs(cumulative[k] - target), k)))
     bounds.append(n)
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _pack(
+    tensors: Sequence[torch.Tensor], comm_dtype: str | None, flats: list[torch.Tensor], *, zeros: bool
+) -> list[torch.Tensor]:
+    """Copy ``tensors`` into one new flat buffer per device and wire dtype (appended to ``flats``), in their wire
+    dtype (:func:`hieravg_optim.comm_dtype.wire_dtype`); returns a view of it per tensor, in order. ``zeros``: the
+    views hold zeros instead (a non-finite replica's contribution, ``nonfinite="skip_replica"``). Local."""
+    by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for k, t in enumerate(tensors):
+        by_key.setdefault((t.device, wire_dtype(t.dtype, comm_dtype)), []).append(k)
+    views: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    for (device, dtype), members in by_key.items():
+        buffer = torch.empty(sum(tensors[k].numel() for k in members), dtype=dtype, device=device)
+        offset = 0
+        for k in members:
+            n = tensors[k].numel()
+            view = buffer[offset : offset + n].view(tensors[k].shape)
+            view.zero_() if zeros else view.copy_(tensors[k])
+            views[k], offset = view, offset + n
+        flats.append(buffer)
+    return views
 
 
 def fragment_of(count: int, period: int, fragments: int) -> int | None:
@@ -106,6 +130,11 @@ class InFlightRound:
     """Whether the collective has completed (after :meth:`wait`, or loaded from a checkpoint)."""
     timeout_s: float | None = None
     ranks: tuple[int, ...] = field(default=())
+    works: list = field(default_factory=list)
+    """The async all-reduces of the flat path (the backend progresses them), waited for by :meth:`wait`."""
+    flats: list = field(default_factory=list)
+    """The packed copies :attr:`wire` views, one per device and wire dtype, divided by :attr:`divide_by` after."""
+    divide_by: float = 1.0
 
     def nbytes(self) -> int:
         """Bytes this round holds on this rank: its copies (and the snapshot)."""
@@ -122,6 +151,18 @@ class InFlightRound:
         if self.thread is not None:
             self.thread.join()
             self.thread = None
+        if self.works:
+            works, self.works = self.works, []
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as exc:  # noqa: BLE001 - named below
+                self.error = exc
+            else:
+                with torch.no_grad():
+                    for f in self.flats:
+                        f.div_(self.divide_by)
+            self.flats = []
         if self.error is not None:
             error, self.error = self.error, None
             with named_collective(f"{self.name} (waited for at step {self.apply_at})", self.ranks, timeout_s=self.timeout_s):
@@ -254,8 +295,9 @@ class DelayedRounds:
         Synchronously, as the synchronous round: the outer level's local checks, the non-finite check (one read of
         each tensor) and the replica's vote, the agreement check over the level's group, the non-finite policy, and,
         at the level's first round after the anchors were taken, the average of the anchors. Then the copies, and
-        the all-reduce of the copies: in a background thread over the level's own groups with a delay, at once
-        otherwise (``delay_steps=0`` with fragments). The live tensors are never written here.
+        the all-reduce of the copies: in the background over the level's own groups with a delay (asynchronous
+        all-reduces of buffers of ``bucket_cap_mb`` at most, or a thread for node-aware levels and the checked float16
+        wire), at once otherwise (``delay_steps=0`` with fragments). The live tensors are never written here.
 
         .. warning::
             Collective over the level's group.
@@ -288,12 +330,7 @@ class DelayedRounds:
                         )
                     except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
                         local, error = False, error or exc
-                    with named_collective(
-                        f"the agreement of the replica's ranks on whether it is finite, before {name}",
-                        replica_ranks,
-                        timeout_s=timeout_seconds(config, replica_group),
-                    ):
-                        nonfinite = replica_any(local, replica_group)
+                    nonfinite = replica_vote(local, name, config, replica_group, replica_ranks)
                 bad = check_agreement(
                     chosen,
                     lg.group,
@@ -318,10 +355,22 @@ class DelayedRounds:
                     )
         elif error is not None:
             raise error
-        with torch.no_grad():
-            wire = [local_tensor(t).detach().clone() for t in chosen]
-            snapshot = [w.clone() for w in wire] if eager and not replaced else None
         bg = self.background.get(level_index, lg)
+        local = [local_tensor(t).detach() for t in chosen]
+        # The flat path: async all-reduces of packed copies, progressed by the backend's own threads (no Python
+        # thread holding the GIL through the copies); the thread path for node-aware levels and the checked
+        # float16 wire, whose chains average_tensors_ runs.
+        flat = tau > 0 and lg.group is not None and bg.node is None and all(
+            t.is_floating_point()
+            and (wire_dtype(t.dtype, comm_dtype) not in CHECKED_WIRE or config.nonfinite == "ignore")
+            for t in local
+        )
+        with torch.no_grad():
+            # theta_t never travels: with outer_state_device (e.g. "cpu") it is kept off the accelerator.
+            where = config.outer_state_device
+            snapshot = [t.to(device=where or t.device, copy=True) for t in local] if eager and not replaced else None
+            flats: list[torch.Tensor] = []
+            wire = _pack(local, comm_dtype, flats, zeros=replaced) if flat else [t.clone() for t in local]
         round_ = InFlightRound(
             level_index=level_index, fragment=fragment, indices=indices, started=count, apply_at=count + tau,
             name=name, wire=wire, snapshot=snapshot, replaced=replaced, divisor=divisor, ranks=lg.ranks,
@@ -339,6 +388,14 @@ class DelayedRounds:
                 with named_collective(name, lg.ranks, timeout_s=round_.timeout_s):
                     round_.payload = average_tensors_(wire, lg.group, lg.size, pool=pool, **kwargs)
                 round_.finished = True
+            elif flat:
+                round_.flats, round_.divide_by = flats, float(divisor or bg.size)
+                round_.payload = sum(f.numel() * f.element_size() for f in flats)
+                for f in flats:
+                    step = max(1, config.bucket_cap_bytes // f.element_size())
+                    round_.works += [
+                        dist.all_reduce(f[a : a + step], group=bg.group, async_op=True) for a in range(0, f.numel(), step)
+                    ]
             else:
                 self._launch(round_, bg, kwargs)
         metrics.seconds += time.perf_counter() - begin
@@ -403,10 +460,10 @@ class DelayedRounds:
             )
         live = [local_tensor(tensors[i]) for i in round_.indices]
         for i, (t, w) in enumerate(zip(live, round_.wire)):
-            if t.shape != w.shape or t.dtype != w.dtype:
+            if t.shape != w.shape:
                 raise RuntimeError(
-                    f"{round_.name}: tensor {round_.indices[i]} has shape {tuple(t.shape)} ({t.dtype}) at step "
-                    f"{round_.apply_at}, but {tuple(w.shape)} ({w.dtype}) when the round started: keep the averaged "
+                    f"{round_.name}: tensor {round_.indices[i]} has shape {tuple(t.shape)} at step "
+                    f"{round_.apply_at}, but {tuple(w.shape)} when the round started: keep the averaged "
                     "tensors fixed while a round is in flight."
                 )
         result = round_.wire

@@ -23,7 +23,7 @@ from .metrics import LevelMetrics, bytes_sent
 from .nonfinite import has_nonfinite, skip_nonfinite
 from .replica import average_within_replica, replica_any
 
-__all__ = ["average_round", "average_round_within_replica", "round_name"]
+__all__ = ["average_round", "average_round_within_replica", "replica_vote", "round_name"]
 
 
 def round_name(step: int, lg: LevelGroup) -> str:
@@ -113,13 +113,7 @@ def average_round(
                     local = prescaled.nonfinite or (unsynced and has_nonfinite(outer.anchors))
                 except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
                     local, error = False, error or exc
-                # Over this rank's replica, not the level's group: a hung peer there is named as such.
-                with named_collective(
-                    f"the agreement of the replica's ranks on whether it is finite, before {name}",
-                    replica_ranks,
-                    timeout_s=timeout_seconds(config, replica_group),
-                ):
-                    nonfinite = replica_any(local, replica_group)
+                nonfinite = replica_vote(local, name, config, replica_group, replica_ranks)
             bad = check_agreement(
                 tensors,
                 lg.group,
@@ -169,6 +163,23 @@ def average_round(
     metrics.bytes_sent += bytes_sent(payload, lg)
     metrics.seconds += time.perf_counter() - start
     return replaced
+
+
+def replica_vote(
+    local: bool, name: str, config: AveragingConfig, replica_group: dist.ProcessGroup | None, replica_ranks: list[int]
+) -> bool:
+    """Whether any rank of this rank's replica holds non-finite tensors before the round ``name`` (``local``: this
+    rank's), agreed over the replica, not the level's group, so that a hung peer there is named as such.
+
+    .. warning::
+        Collective over the replica's group (one int64; nothing with one rank per replica).
+    """
+    with named_collective(
+        f"the agreement of the replica's ranks on whether it is finite, before {name}",
+        replica_ranks,
+        timeout_s=timeout_seconds(config, replica_group),
+    ):
+        return replica_any(local, replica_group)
 
 
 def _sync_anchors(

@@ -23,6 +23,25 @@ N_TENSORS = 4
 SHAPE = (3,)
 
 
+def capture_round_inputs(delayed, read) -> dict:
+    """Make ``delayed`` (an averager's DelayedRounds) store ``read()`` under ``"start"`` right before each round
+    starts and under ``"apply"`` right before each round is applied; returns the dict. ``read`` may be collective
+    (every rank starts and applies its rounds at the same counts)."""
+    captured: dict = {}
+    original_start, original_apply = delayed.start, delayed.apply
+
+    def start(*args, **kwargs):
+        captured["start"] = read()
+        return original_start(*args, **kwargs)
+
+    def apply(*args, **kwargs):
+        captured["apply"] = read()
+        return original_apply(*args, **kwargs)
+
+    delayed.start, delayed.apply = start, apply
+    return captured
+
+
 def _increment(rank: int, count: int, position: int) -> float:
     return 0.25 * (rank + 1) * (count % 3 + 1) + 0.5 * position
 
@@ -119,7 +138,8 @@ class _Simulation:
                 self.flight[li] = entry
 
 
-def _run(rank, world, levels, *, delay=None, fragments=None, correction=None, alpha=None, outer=None, steps=24):
+def _run(rank, world, levels, *, delay=None, fragments=None, correction=None, alpha=None, outer=None, steps=24,
+         outer_state_device=None):
     from hieravg_optim import AveragingConfig, HierarchicalAverager
 
     delay, fragments, correction, alpha = delay or {}, fragments or {}, correction or {}, alpha or {}
@@ -129,7 +149,7 @@ def _run(rank, world, levels, *, delay=None, fragments=None, correction=None, al
     }
     config = AveragingConfig.create(
         levels, delay_steps=delay, fragments=fragments, delay_correction=correction or "eager", delay_mixing=alpha or 0.0,
-        outer_optimizers=factories,
+        outer_optimizers=factories, outer_state_device=outer_state_device,
     )  # fmt: skip
     averager = HierarchicalAverager(config)
     periods = list(levels)
@@ -166,6 +186,7 @@ def _scenarios(rank, world):
     return run_scenarios(
         {
             "eager": lambda r: _run(r, world, levels, delay={8: 3}),
+            "eager_snapshot_on_cpu": lambda r: _run(r, world, levels, delay={8: 3}, outer_state_device="cpu"),
             "none_mixed": lambda r: _run(r, world, levels, delay={8: 3}, correction={8: "none"}, alpha={8: 0.5}),
             "both_delayed": lambda r: _run(r, world, levels, delay={2: 1, 8: 5}, alpha={2: 0.25}),
             "fragments_delayed": lambda r: _run(r, world, levels, delay={2: 1, 8: 1}, fragments={8: 4}),
@@ -226,7 +247,7 @@ def _overlap_is_real(rank, world):
     tensors = [torch.full((1 << 20,), float(rank))]
     averager.step_and_average(lambda: tensors)  # count 0: starts, applied at 3
     round_ = averager._delayed.in_flight[0]
-    assert round_.thread is not None and torch.equal(tensors[0], torch.full((1 << 20,), float(rank)))
+    assert round_.works and torch.equal(tensors[0], torch.full((1 << 20,), float(rank)))  # async all-reduces issued
     for _ in range(3):
         averager.step_and_average(lambda: tensors)
     assert not averager._delayed.in_flight
@@ -240,6 +261,10 @@ def _overlap_is_real(rank, world):
     # eager: the mean of the snapshots at count 4 plus this rank's progress since (two increments of rank)
     assert torch.equal(tensors[0], torch.full((1 << 20,), (world - 1) / 2 + 2.0 * rank))
     assert averager.apply_rounds_in_flight(tensors) == 0
+    # More fragments than tensors: a ValueError on every rank at the first round, before any collective of it.
+    split = HierarchicalAverager(AveragingConfig.create({4: world}, fragments=2))
+    with pytest.raises(ValueError, match=r"fragments=2 at this level, but its rounds average 1 tensors.*fragments=1"):
+        split.step_and_average(lambda: tensors)
     dist.barrier()
     return True
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.harness import default_timeout, run_distributed
+from tests.test_delayed import capture_round_inputs
 
 pytestmark = pytest.mark.timeout(default_timeout(200))
 
@@ -42,18 +43,7 @@ def _ddp(rank, world):
     )
     register_post_local_sgd_hook(model, opt, node)
     delayed = opt.averager._delayed
-    captured = {}
-    original_start, original_apply = delayed.start, delayed.apply
-
-    def start(*args, **kwargs):
-        captured["start"] = _params(model)
-        return original_start(*args, **kwargs)
-
-    def apply(*args, **kwargs):
-        captured["apply"] = _params(model)
-        return original_apply(*args, **kwargs)
-
-    delayed.start, delayed.apply = start, apply
+    captured = capture_round_inputs(delayed, lambda: _params(model))
     for count in range(7):
         g = torch.Generator().manual_seed(1000 * rank + count)
         x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)

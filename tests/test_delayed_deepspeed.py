@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.harness import default_timeout, run_distributed
+from tests.test_delayed import capture_round_inputs
 from tests.test_deepspeed import S, WORLD, _client_optimizer, _config, _dtype, _full_masters, _full_module, _gather
 from tests.test_deepspeed import _micro_step, _model, _two_groups
 
@@ -33,18 +34,7 @@ def _applied_case(rank, name, stage, prec):
     engine, _, _, _ = hds.initialize(model=model, optimizer=_client_optimizer(model), config=_config(stage, prec, 1, SECTION))
     state = hds.get_averaging(engine)
     delayed = state.averager._delayed
-    captured = {}
-    original_start, original_apply = delayed.start, delayed.apply
-
-    def start(*args, **kwargs):
-        captured["start"] = _full_masters(engine)
-        return original_start(*args, **kwargs)
-
-    def apply(*args, **kwargs):
-        captured["apply"] = _full_masters(engine)
-        return original_apply(*args, **kwargs)
-
-    delayed.start, delayed.apply = start, apply
+    captured = capture_round_inputs(delayed, lambda: _full_masters(engine))
     held = []
     for step in range(7):  # counts 0 .. 6: the round starts at 4, lands at 6
         _micro_step(engine, rank, step)

@@ -1,8 +1,8 @@
 """Faults during a delayed round (4 gloo ranks, ``{4: 4}``, ``delay_steps`` 2): a peer killed (SIGKILL) or stopped
 (SIGSTOP) while the round is in flight, and a non-finite replica at its start under each ``nonfinite`` policy.
 
-The victim injects its fault from the background collective of the round started at count 4 (its peers are then
-all-reducing in theirs, or already stepping on). Every survivor raises where the round is waited for, at count
+The victim injects its fault as the round started at count 4 copies its tensors, after the round's agreement (its
+peers then issue their background all-reduces and step on). Every survivor raises where the round is waited for, at count
 6: a ``CollectiveError`` naming the round, its delay and the count it was waited for at, within
 ``collective_timeout_s`` (plus a bound) after the fault.
 """
@@ -33,16 +33,16 @@ def _until_fault(rank, world_size, victim, fault, timeout_s, out):
     averager = HierarchicalAverager(AveragingConfig.create({4: WORLD}, delay_steps=2, collective_timeout_s=timeout_s))
     tensors = [torch.full((1000,), float(rank))]
     if rank == victim:
-        original = delayed_module.average_tensors_
+        original = delayed_module._pack
 
         def faulty(*args, **kwargs):
-            if averager.step == 4:  # in the background thread of the round started at count 4
+            if averager.step == 4:  # the round of count 4 has agreed: its peers issue their async all-reduces
                 with open(os.path.join(out, "fault.json"), "w") as f:
                     json.dump({"t": time.monotonic()}, f)
                 os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             return original(*args, **kwargs)
 
-        delayed_module.average_tensors_ = faulty
+        delayed_module._pack = faulty
     try:
         for _ in range(12):
             averager.step_and_average(lambda: tensors)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.harness import default_timeout, run_distributed
+from tests.test_delayed import capture_round_inputs
 from tests.test_fsdp import SHARDS, WORLD, _flat, _full_params, _gather, _shard, _train_step
 
 pytestmark = pytest.mark.timeout(default_timeout(400))
@@ -32,18 +33,7 @@ def _scenarios(rank, world_size, folder):
             synchronous_warmup=False, delay_steps=2,
         )  # fmt: skip
         delayed = opt.averager._delayed
-        captured = {}
-        original_start, original_apply = delayed.start, delayed.apply
-
-        def start(*args, **kwargs):
-            captured["start"] = _flat(_full_params(model))
-            return original_start(*args, **kwargs)
-
-        def apply(*args, **kwargs):
-            captured["apply"] = _flat(_full_params(model))
-            return original_apply(*args, **kwargs)
-
-        delayed.start, delayed.apply = start, apply
+        captured = capture_round_inputs(delayed, lambda: _flat(_full_params(model)))
         checkpoint_error = None
         for step in range(7):
             _train_step(model, opt, rank, step)
