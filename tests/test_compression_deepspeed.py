@@ -5,7 +5,7 @@ The compressed level averages the 2 replicas' fp32 master partitions (each rank 
 * A lossless codec (top-k of density 1 with float32 values), ZeRO 0-3 fp32, 3 rounds: every round's full
   masters within 1e-6 of the exact mean of the replicas' masters just before it (as outer SGD with lr 1), the
   replicas bitwise equal after it.
-* int8 without error feedback, ZeRO-3 fp32: every round within the codec's bound of the exact mean
+* int8 (blocks of 16) without error feedback, ZeRO-3 fp32: every round within the codec's bound of the exact mean
   (``max |anchor - masters| / 254``), the replicas bitwise equal.
 * Resume: ZeRO-2 bf16 and ZeRO-3 fp32, int8 with error feedback (decay 0.9) under Nesterov, saved after 2
   rounds: the resumed run equals the uninterrupted one (1e-6); each rank restores its own residuals (which
@@ -28,6 +28,7 @@ deepspeed = pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.timeout(900)
 
 LOSSLESS = {"type": "topk", "density": 1.0, "chunk": 64, "values": "float32"}
+INT8_16 = {"type": "int8", "block": 16}  # blocks smaller than the tiny model's partitions
 
 
 def _rounds_case(rank, stage, prec, compress, ef_decay):
@@ -93,7 +94,7 @@ def _scenarios(rank, world_size, folder):
     scenarios = {}
     for stage in (0, 1, 2, 3):
         scenarios[f"lossless_zero{stage}_fp32"] = lambda r, s=stage: _rounds_case(r, s, "fp32", LOSSLESS, 1.0)
-    scenarios["int8_zero3_fp32"] = lambda r: _rounds_case(r, 3, "fp32", "int8", 0.0)
+    scenarios["int8_zero3_fp32"] = lambda r: _rounds_case(r, 3, "fp32", INT8_16, 0.0)
     scenarios["resume_zero2_bf16"] = lambda r: _resume_case(r, 2, "bf16", os.path.join(folder, "z2"))
     scenarios["resume_zero3_fp32"] = lambda r: _resume_case(r, 3, "fp32", os.path.join(folder, "z3"))
     with warnings.catch_warnings():
@@ -122,8 +123,9 @@ def test_int8_round_within_the_codec_bound(results):
         assert r["rounds"] == 3 and all(r["differed"]) and all(r["equal_after"]), (rank, r)
         assert all(e <= b for e, b in zip(r["errors"], r["bounds"])), (rank, r["errors"], r["bounds"])
         assert max(r["errors"]) > 0, "int8 rounds nothing: the test is vacuous"
-        # Two replicas: the all-gather sends one payload, about 0.26x of an fp32 all-reduce of the partition.
-        assert r["compressed_bytes"] > 0 and r["ratio"] < 0.3, (rank, r)
+        # Two replicas: the all-gather sends one payload, 20 bytes per 16 elements (0.31x of an fp32 all-reduce
+        # of the partition), plus the padding of the last block and of the payload to 8 bytes.
+        assert r["compressed_bytes"] > 0 and r["ratio"] < 0.45, (rank, r)
 
 
 @pytest.mark.parametrize("case", ["resume_zero2_bf16", "resume_zero3_fp32"])

@@ -90,7 +90,11 @@ def _resume(rank: int, folder: str) -> dict:
         restored = len(loaded) == len(saved) and all(torch.equal(a, b) for a, b in zip(saved, loaded))
         for step in range(stop, total):
             _train_step(model, opt, rank, step)
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(os.path.join(path, "replica_0")).read_metadata().state_dict_metadata
         out[config] = {
+            "residual_keys": sorted(k for k in metadata if "/residuals/" in k),
             "differed_at_save": not torch.equal(saved_params[0], saved_params[SHARDS]),
             "restored": restored,
             "nonzero": any(bool(r.abs().sum() > 0) for r in saved),
@@ -123,4 +127,6 @@ def test_dcp_resume_with_residuals_equals_uninterrupted(results, config):
         c = r["resume"][config]
         assert c["differed_at_save"] and c["nonzero"], (rank, c)
         assert c["restored"], (rank, c)
+        # Sharded like the anchors: one DTensor per averaged tensor, both shards of a replica in it.
+        assert c["residual_keys"] and all(k.startswith(f"outer.dtensors.{PERIOD}/residuals/") for k in c["residual_keys"])
         assert c["max_diff"] <= 1e-6, (rank, c)
