@@ -34,6 +34,10 @@ METRIC_KEYS = {
     "seconds",
     "outer_bytes",
     "pseudo_grad_norm",
+    "compressed_bytes",
+    "uncompressed_bytes",
+    "compression_ratio",
+    "residual_norm",
 }
 
 
