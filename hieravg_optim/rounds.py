@@ -77,7 +77,7 @@ def average_round(
         return compressed_round(
             tensors, config=config, process_group=process_group, level_index=level_index, lg=lg, step=step,
             outers=outers, metrics=metrics, pool=pool, replica_group=replica_group, replica_ranks=replica_ranks,
-            error=error, context=context,
+            error=error, context=context, name=round_name(step, lg), sync_anchors=_sync_anchors,
         )  # fmt: skip
     if outer is not None and error is None:
         error = outers.error(level_index, tensors, step, config.warmup_steps)

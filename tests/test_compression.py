@@ -325,6 +325,6 @@ def test_compressed_rounds_8_ranks():
     ratios = results[0].get("bitwise_replicas")  # absent when HIERAVG_CORE_SCENARIOS leaves it out
     if ratios is None:
         return
-    # The all-gather of 8 payloads: 8 / 2 times the payload ratio against an fp32 ring all-reduce.
-    assert ratios["int8"] < 0.26 * WORLD / 2 + 0.05
-    assert ratios["topk"] < ratios["int8"]
+    # The all-gather of 8 payloads: 8 / 2 times the payload ratio against an fp32 ring all-reduce (int8 in blocks
+    # of 64 over 417 elements padded to 448: 1.16x; checked exactly in the scenario).
+    assert ratios["topk"] < ratios["int8"] < 1.2, ratios

@@ -37,6 +37,10 @@ METRIC_KEYS = {
     "rounds_applied",
     "bytes_in_flight",
     "pseudo_grad_norm",
+    "compressed_bytes",
+    "uncompressed_bytes",
+    "compression_ratio",
+    "residual_norm",
 }
 
 

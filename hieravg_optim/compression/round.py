@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from ..metrics import LevelMetrics, bytes_sent
 from ..nonfinite import has_nonfinite, skip_nonfinite
 from ..outer import PLAIN_OUTER
 from ..replica import replica_any
+from ..tensors import local_tensor
 from .codecs import Codec
 
 __all__ = ["apply_mean", "compressed_round", "compute_payload", "decode_mean", "exchange"]
@@ -173,10 +174,13 @@ def compressed_round(
     replica_ranks: list[int],
     error: BaseException | None = None,
     context: Mapping[str, object] | None = None,
+    name: str,
+    sync_anchors: Callable[..., int],
 ) -> bool:
     """A round of a compressed level whose anchors are taken: :func:`hieravg_optim.rounds.average_round` for it.
 
-    Its arguments and return value are :func:`~hieravg_optim.rounds.average_round`'s. The tensors the anchors
+    Its arguments and return value are :func:`~hieravg_optim.rounds.average_round`'s, plus the round's
+    ``name`` for errors and the uncompressed round's average of the anchors, ``sync_anchors``. The tensors the anchors
     follow (all but the last ``outer_skip_last``, the buffers) travel compressed as the pseudo-gradient
     ``anchor - theta`` plus the residual; the others are averaged uncompressed in the same round. The level's
     first round after its anchors were taken averages them first (full precision, once), as an uncompressed
@@ -190,8 +194,6 @@ def compressed_round(
         RuntimeError: as :func:`~hieravg_optim.rounds.average_round`, on every rank of the group; also when the
             saved residuals do not fit this round (a checkpoint of another ``ranks_per_node`` or sharding).
     """
-    from .. import rounds  # the uncompressed round's pieces (rounds dispatches here: imported at call time)
-
     outer = outers.by_level[level_index]
     assert outer is not None and outer.anchors is not None
     codec = config.level_compress(level_index)
@@ -200,7 +202,7 @@ def compressed_round(
     if error is None:
         error = outers.error(level_index, tensors, step, config.warmup_steps)
     local = outers.part(tensors)
-    rest = list(tensors[len(tensors) - outers.skip_last :]) if outers.skip_last else []
+    rest = [local_tensor(t) for t in tensors[len(tensors) - outers.skip_last :]] if outers.skip_last else []
     start = time.perf_counter()
     if lg.group is None:
         if error is not None:
@@ -214,7 +216,6 @@ def compressed_round(
         metrics.rounds += 1
         metrics.seconds += time.perf_counter() - start
         return False
-    name = rounds.round_name(step, lg)
     with torch.no_grad(), named_collective(name, lg.ranks, timeout_s=timeout_seconds(config, lg.group)):
         unsynced = not outer.synced
         if error is None:
@@ -222,7 +223,7 @@ def compressed_round(
         nonfinite = None
         if config.nonfinite != "ignore":
             try:  # before anything is compressed: a non-finite delta is a non-finite tensor (or anchor)
-                flag = has_nonfinite(tensors) or (unsynced and has_nonfinite(outer.anchors))
+                flag = has_nonfinite([*local, *rest]) or (unsynced and has_nonfinite(outer.anchors))
             except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
                 flag, error = False, error or exc
             with named_collective(
@@ -259,7 +260,7 @@ def compressed_round(
             )  # fmt: skip
         sent = bytes_sent(payload, lg)
         if unsynced:
-            synced = rounds._sync_anchors(outer, lg, local, pool, config, replaced, divisor)
+            synced = sync_anchors(outer, lg, local, pool, config, replaced, divisor)
             payload, sent = payload + synced, sent + bytes_sent(synced, lg)
         device = local[0].device if local else torch.device("cpu")
         numel = sum(t.numel() for t in local)

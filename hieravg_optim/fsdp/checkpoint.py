@@ -256,6 +256,9 @@ def _load_replica(
 # -- outer optimizers: anchors and state ------------------------------------------------------------------------------
 _OUTER = "outer"
 _DTENSORS = "dtensors"
+_LISTS = "tensor_lists"
+"""Key in a level's saved object: ``{name: count}`` of its other lists of tensors saved as DTensors, beside the
+anchors (a compressed level's ``"residuals"``)."""
 
 
 def _shard_key(optimizer: FSDPHierarchicalAveragingOptimizer) -> str:
@@ -279,8 +282,10 @@ def _as_dtensor(local: torch.Tensor, layout: ShardLayout) -> DTensor:
 def _outer_to_checkpoint(outer: Mapping[int, Mapping[str, Any]], optimizer: FSDPHierarchicalAveragingOptimizer) -> dict:
     """The averager's ``state_dict()["outer"]`` as DCP saves it without losing any rank's shard.
 
-    ``{"dtensors": {"<period>/anchor/<i>": DTensor, "<period>/state/<i>/<name>": DTensor}, "shard_<k>": bytes}``:
-    anchors, and outer-state tensors shaped like their anchor, as DTensors with the anchored tensors' layouts;
+    ``{"dtensors": {"<period>/anchor/<i>": DTensor, "<period>/state/<i>/<name>": DTensor,
+    "<period>/<key>/<i>": DTensor}, "shard_<k>": bytes}``: anchors, outer-state tensors shaped like their anchor,
+    and every other list of tensors shaped like the anchors (``"residuals"``, ``compress``), as DTensors with the
+    anchored tensors' layouts;
     everything else (the outer optimizer's ``param_groups``, step counts, tensors of other shapes) in one
     ``torch.save`` blob under this rank's shard index ``k``, written by this rank only.
     """
@@ -307,14 +312,32 @@ def _outer_to_checkpoint(outer: Mapping[int, Mapping[str, Any]], optimizer: FSDP
                 else:
                     kept[name] = value
             kept_state[index] = kept
+        # Other lists of tensors shaped like the anchors (a compressed level's error-feedback residuals): sharded
+        # like them too, under their key's name.
+        lists = {
+            k: list(v) for k, v in level.items() if k not in ("anchors", "optimizer") and _like_anchors(v, anchors)
+        }
+        for key, tensors in lists.items():
+            for i, (t, layout) in enumerate(zip(tensors, layouts)):
+                dtensors[f"{period}/{key}/{i}"] = _as_dtensor(t, layout)
         rest[period] = {
-            **{k: v for k, v in level.items() if k not in ("anchors", "optimizer")},
+            **{k: v for k, v in level.items() if k not in ("anchors", "optimizer", *lists)},
             "optimizer": {**{k: v for k, v in saved.items() if k != "state"}, "state": kept_state},
             "anchors": len(anchors),
+            _LISTS: {k: len(v) for k, v in lists.items()},
         }
     blob = io.BytesIO()
     torch.save(rest, blob)
     return {_DTENSORS: dtensors, _shard_key(optimizer): blob.getvalue()}
+
+
+def _like_anchors(value: object, anchors: list[torch.Tensor]) -> bool:
+    """Whether ``value`` is a list of tensors of the anchors' number and shapes."""
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) == len(anchors)
+        and all(torch.is_tensor(v) and v.shape == a.shape for v, a in zip(value, anchors))
+    )
 
 
 def _shaped_like_anchor(value: object, index: object, anchors: list[torch.Tensor]) -> bool:
@@ -394,6 +417,8 @@ def _outer_from_checkpoint(loaded: Mapping[str, Any], optimizer: FSDPHierarchica
     for period, level in rest.items():
         count = level.pop("anchors")
         level["anchors"] = [dtensors[f"{period}/anchor/{i}"].to_local() for i in range(count)]
+        for key, n in level.pop(_LISTS, {}).items():
+            level[key] = [dtensors[f"{period}/{key}/{i}"].to_local() for i in range(n)]
         state = level["optimizer"]["state"]
         for key, value in dtensors.items():
             p, kind, *name = key.split("/")
