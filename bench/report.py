@@ -214,8 +214,9 @@ def convergence_sweep(d) -> str:
               for r in sweep["rows"]}  # fmt: skip
     w("| contender | inner lr | outer lr / momentum | top-level settings | rounds per level (`metrics()`) | "
       "validation loss | / baseline | / baseline, last 4 evaluations | top-level payload MB per rank | / baseline | top-level MB sent per rank | "
-      "/ baseline | started (UTC) | load average | s | hieravg_optim |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "/ baseline | `compression_ratio` | payload / fp32, per compressed round | started (UTC) | load average | s | "
+      "hieravg_optim |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in d["rows"]:
         top = r.get("top", {})
         key = (r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"], json.dumps(top, sort_keys=True))
@@ -225,6 +226,9 @@ def convergence_sweep(d) -> str:
         bytes_ratio = f"{ratio['bytes_over_baseline']:.4f}" if ratio else "-"
         payload_ratio = f"{ratio['payload_over_baseline']:.4f}" if ratio and ratio["payload_over_baseline"] else "-"
         payload = r.get("top_level_metrics", {}).get("payload_bytes")
+        cr = ratio.get("compression_ratio") if ratio else None
+        per_round = ratio.get("payload_over_fp32_compressed_rounds") if ratio else None
+        codec = f"{cr:.4f} | {per_round:.4f}" if cr is not None and per_round is not None else "- | -"
         top_payload = _mb(payload) if payload is not None else "-"
         rpl = ", ".join(f"{k}: {v}" for k, v in r["rounds_per_level"].items())
         outer = f"{r['outer_lr']:g} / {r['outer_momentum']:g}" if r["outer_lr"] else "-"
@@ -233,7 +237,7 @@ def convergence_sweep(d) -> str:
         label = "`" + json.dumps(top) + "`" if top else "- (baseline)"
         load = r.get("environment_load_average", ["?"])[0]
         w(f"| {r['contender']} | {r['lr']:g} | {outer} | {label} | {rpl} | {r['final_val_loss']:.4f} | {loss_ratio} | {last4} | "
-          f"{top_payload} | {payload_ratio} | {top_sent} | {bytes_ratio} | "
+          f"{top_payload} | {payload_ratio} | {top_sent} | {bytes_ratio} | {codec} | "
           f"{r['utc_start'].replace('T', ' ').rstrip('Z') if 'utc_start' in r else '-'} | {load} | {r['seconds']:.0f} | "
           f"{(r.get('hieravg_optim') or {}).get('revision') or '-'} |")
     if sweep["targets"]:
