@@ -570,7 +570,7 @@ def _plot_sweep(rows, path, title):
         ax.plot(xs, ys, style, marker="o", ms=2.5, label=label)
         zoom.plot(xs, ys, style, marker="o", ms=2.5, label=label)
     finals = [r["final_val_loss"] for r in rows]
-    ax.set_ylim(min(finals) - 0.1, min(finals) + 1.0)
+    ax.set_ylim(min(finals) - 0.1, max(min(finals) + 1.0, max(finals) + 0.3))
     zoom.set_xlim(rows[0]["curve"][-1][0] * 0.6, rows[0]["curve"][-1][0] * 1.02)
     zoom.set_ylim(min(finals) - 0.03, max(finals) + 0.08)
     for a in (ax, zoom):
