@@ -235,8 +235,9 @@ def _bench_rank(
         )
         if baseline:
             del base_params, base_pool
-        del ours_params, raw_params, torch_params, flat, averager, raw_pool, unchecked_params, unchecked, half
-        del read_guard_params, read_guard
+        # Freed before the next model (rebound, not deleted: the contenders above refer to these names).
+        ours_params = raw_params = torch_params = flat = averager = raw_pool = unchecked_params = unchecked = None
+        half = read_guard_params = read_guard = None
 
     sharded_result = None
     if sharded:
@@ -288,6 +289,191 @@ def _bench_rank(
     return {"results": results, "sharded": sharded_result, "memory_method": mem.method}
 
 
+def _breakdown_rank(rank: int, world_size: int, model_names: list[str], reps: int, bucket_mb: float):
+    """Where the time of the default round goes: each of its phases timed on its own, in the same processes.
+
+    The phases of the pipelined path (the CPU default), each on its own copy of the tensors, interleaved with the
+    whole round (``round``, the default, guard on; ``round_unchecked``, ``nonfinite="ignore"``) and ``floor``:
+
+    * ``agreement``: :func:`~hieravg_optim.agreement.check_agreement` alone (the round's one small all-reduce);
+    * ``check_packed``: :func:`~hieravg_optim.nonfinite.has_nonfinite` of the packed tensors (the guard's separate
+      read); ``prescale_in_place``: the fused check-and-divide pass over the tensors reduced in place
+      (:func:`~hieravg_optim.averaging.prescale_checked_`'s kernel), against ``divide_in_place``, the division
+      after the SUM that it replaces (the unguarded round's);
+    * ``pack``: ``torch.cat`` of the packed tensors into the bucket halves, local; ``unpack``: the division fused
+      into the copy back (``torch.div(..., out=)``), local;
+    * ``all_reduce_calls``: the round's all-reduces alone, in its order and overlap (the tensors in place all
+      issued at once, then the bucket halves, two in flight), on preallocated buffers, without pack or unpack.
+
+    The sum of the phases against the measured round tells what overlap hides (or contention adds).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from hieravg_optim.agreement import check_agreement
+    from hieravg_optim.averaging.pipelined import direct_numel
+    from hieravg_optim.config import AveragingConfig
+    from hieravg_optim.nonfinite import has_nonfinite
+    from hieravg_optim.optimizer import HierarchicalAverager
+
+    group = dist.group.WORLD
+    ranks = list(range(world_size))
+    cap_bytes = int(bucket_mb * 1e6)
+    results = []
+    for name in model_names:
+        shapes = transformer_shapes(**MODELS[name])
+        numel = sum(int(torch.Size(s).numel()) for s in shapes)
+        direct_min = direct_numel(torch.device("cpu"), torch.float32, cap_bytes, None)
+        is_direct = [int(torch.Size(s).numel()) >= direct_min for s in shapes]
+        round_params = _make(shapes, rank, torch)
+        unchecked_params = _make(shapes, rank, torch)
+        averager = HierarchicalAverager(AveragingConfig.create({2: world_size}, bucket_cap_mb=bucket_mb))
+        unchecked = HierarchicalAverager(
+            AveragingConfig.create({2: world_size}, bucket_cap_mb=bucket_mb, nonfinite="ignore")
+        )
+        local = [torch.full(s, float(rank)) for s in shapes]
+        direct = [t for t, d in zip(local, is_direct) if d]
+        packed = [t for t, d in zip(local, is_direct) if not d]
+        zeros_direct = [torch.zeros_like(t) for t in direct]
+        half = max(1, min(cap_bytes // 4, sum(t.numel() for t in packed)) // 2)
+        bucket = torch.zeros(2 * half)
+        slots = (bucket[:half], bucket[half:])
+        # The packed tensors cut into halves as reduce_packed cuts them: per half, its pieces and its bucket view.
+        plan: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        pieces: list[torch.Tensor] = []
+        used = 0
+        for t in packed:
+            flat, start = t.view(-1), 0
+            while start < flat.numel():
+                take = min(flat.numel() - start, half - used)
+                pieces.append(flat[start : start + take])
+                used, start = used + take, start + take
+                if used == half:
+                    plan.append((pieces, slots[len(plan) % 2][:used]))
+                    pieces, used = [], 0
+        if used:
+            plan.append((pieces, slots[len(plan) % 2][:used]))
+        flat_buffer = torch.zeros(numel)
+        found = torch.zeros(1)
+        one = torch.ones(1)
+
+        def round_default():
+            averager.average(-1, [p.detach() for p in round_params])
+
+        def round_unchecked():
+            unchecked.average(-1, [p.detach() for p in unchecked_params])
+
+        def agreement():
+            check_agreement(local, group, ranks, context={"step count": -1}, what="the benchmark", nonfinite=False)
+
+        def check_packed():
+            assert not has_nonfinite(packed)
+
+        def prescale_in_place():  # the same kernel and bytes as prescale_checked_ (scale 1: values kept)
+            torch._amp_foreach_non_finite_check_and_unscale_(direct, found, one)
+
+        def divide_in_place():
+            for t in direct:
+                t.div_(1.0)
+
+        def pack():
+            for members, view in plan:
+                torch.cat(members, out=view)
+
+        def unpack():
+            for members, view in plan:
+                offset = 0
+                for piece in members:
+                    torch.div(view[offset : offset + piece.numel()], 1.0, out=piece)
+                    offset += piece.numel()
+
+        def all_reduce_calls():
+            works = [dist.all_reduce(t, group=group, async_op=True) for t in zeros_direct]
+            halves: list = []
+            for i, (_, view) in enumerate(plan):
+                if i >= 2:
+                    for w in works:
+                        w.wait()
+                    works = []
+                    halves[i - 2].wait()
+                halves.append(dist.all_reduce(view, group=group, async_op=True))
+            for w in works + halves[-2:]:
+                w.wait()
+
+        def floor():
+            dist.all_reduce(flat_buffer, group=group)
+
+        contenders = {
+            "round": round_default, "round_unchecked": round_unchecked, "floor": floor, "agreement": agreement,
+            "check_packed": check_packed, "prescale_in_place": prescale_in_place, "divide_in_place": divide_in_place,
+            "pack": pack, "unpack": unpack, "all_reduce_calls": all_reduce_calls,
+        }
+        times = {k: [] for k in contenders}
+        cpu = {k: [] for k in contenders}
+        order = list(contenders)
+        for rep in range(reps + 1):  # rep 0: warm-up
+            for key in order[rep % len(order):] + order[: rep % len(order)]:
+                dist.barrier(group)
+                c0 = time.process_time()
+                t0 = time.perf_counter()
+                contenders[key]()
+                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                spent = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(spent, group=group)
+                if rep > 0:
+                    times[key].append(float(elapsed))
+                    cpu[key].append(float(spent))
+        expected = (world_size - 1) / 2
+        for ps in (round_params, unchecked_params):
+            assert all(bool(torch.all(p == expected)) for p in ps)
+        results.append(
+            {
+                "model": name, "world_size": world_size, "numel": numel,
+                "direct_tensors": len(direct), "direct_bytes": sum(t.numel() for t in direct) * 4,
+                "packed_tensors": len(packed), "packed_bytes": sum(t.numel() for t in packed) * 4,
+                "bucket_halves_per_round": len(plan), "times_s": times, "cpu_s": cpu,
+            }
+        )
+        round_params = unchecked_params = averager = unchecked = local = direct = packed = zeros_direct = None
+        bucket = flat_buffer = plan = pieces = slots = None
+    return results
+
+
+def _breakdown(args) -> None:
+    env = environment()
+    rows = []
+    for ws in (int(x) for x in args.world_sizes.split(",")):
+        for r in spawn(_breakdown_rank, ws, args.models.split(","), args.reps, args.bucket_mb)[0]:
+            r["median_s"] = {k: median(v) for k, v in r["times_s"].items()}
+            r["cpu_median_s"] = {k: median(v) for k, v in r["cpu_s"].items()}
+            rows.append(r)
+    phases = ("agreement", "all_reduce_calls", "pack", "unpack", "divide_in_place")
+    print(f"\nWhere a round's time goes, gloo on CPU, float32, bucket {args.bucket_mb} MB; median of {args.reps} "
+          f"(wall: slowest rank; CPU: all ranks' threads); load average at start {env['load_average_1_5_15']}")
+    for r in rows:
+        m, c = r["median_s"], r["cpu_median_s"]
+        print(f"{r['model']} on {r['world_size']} ranks: {r['direct_tensors']} tensors in place "
+              f"({r['direct_bytes'] / 1e6:.1f} MB), {r['packed_tensors']} packed ({r['packed_bytes'] / 1e6:.1f} MB, "
+              f"{r['bucket_halves_per_round']} bucket halves)")
+        print(f"  {'phase':<18} {'wall ms':>8} {'/floor':>7} {'CPU ms':>8} {'/floor':>7}")
+        for k in ("round", "round_unchecked", "floor", *phases, "check_packed", "prescale_in_place"):
+            print(f"  {k:<18} {1e3 * m[k]:8.1f} {m[k] / m['floor']:7.2f} {1e3 * c[k]:8.1f} {c[k] / c['floor']:7.2f}")
+        parts, parts_cpu = sum(m[k] for k in phases), sum(c[k] for k in phases)
+        print(f"  {'sum of phases':<18} {1e3 * parts:8.1f} {parts / m['floor']:7.2f} {1e3 * parts_cpu:8.1f} "
+              f"{parts_cpu / c['floor']:7.2f}  (against round_unchecked: overlap hides "
+              f"{100 * (1 - m['round_unchecked'] / parts):.0f}% wall, {100 * (1 - c['round_unchecked'] / parts_cpu):.0f}% CPU)")
+        guard = m["check_packed"] + m["prescale_in_place"] - m["divide_in_place"]
+        guard_cpu = c["check_packed"] + c["prescale_in_place"] - c["divide_in_place"]
+        print(f"  guard = check_packed + prescale_in_place - divide_in_place: {1e3 * guard:.1f} ms "
+              f"({100 * guard / m['round_unchecked']:.1f}% of round_unchecked), CPU {1e3 * guard_cpu:.1f} ms "
+              f"({100 * guard_cpu / c['round_unchecked']:.1f}%); measured round - round_unchecked: "
+              f"{100 * (m['round'] / m['round_unchecked'] - 1):+.1f}% wall, {100 * (c['round'] / c['round_unchecked'] - 1):+.1f}% CPU")
+    path = write_json(args.out if args.out != "averaging.json" else "averaging_breakdown.json",
+                      {"environment": env, "bucket_mb": args.bucket_mb, "reps": args.reps, "rows": rows})
+    print(f"written: {path}")
+
+
 def _fmt_mb(b: float) -> str:
     return f"{b / 1e6:8.1f}"
 
@@ -303,7 +489,15 @@ def main() -> None:
         "--baseline-rev", default=None,
         help="also time average_tensors_ of hieravg_optim.averaging at this git revision (A/B), as baseline_raw",
     )
+    parser.add_argument(
+        "--breakdown", action="store_true",
+        help="time the phases of the default round instead (pack, all-reduce calls, unpack, check, agreement), "
+        "written to bench/results/averaging_breakdown.json",
+    )
     args = parser.parse_args()
+    if args.breakdown:
+        _breakdown(args)
+        return
     models = args.models.split(",")
     baseline = None
     if args.baseline_rev:

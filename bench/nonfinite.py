@@ -11,8 +11,8 @@ timed interleaved (alternating order), so that both see the same load; median an
 fraction of an averaging round is this time over the round's (``bench/averaging.py``; quote that
 file's medians, measured on a quiet machine, next to these).
 
-``--baseline-rev REV`` takes ``has_nonfinite`` from ``hieravg_optim/agreement.py`` at git revision
-REV (the function alone, executed with ``torch`` in scope).
+``--baseline-rev REV`` takes ``has_nonfinite`` from ``hieravg_optim/nonfinite.py`` (``agreement.py`` before it
+moved) at git revision REV (the function alone, executed with ``torch`` in scope).
 
 Results: printed, and written to ``bench/results/nonfinite.json``.
 """
@@ -38,16 +38,24 @@ MODELS = {
 
 
 def _baseline(rev: str):
-    """``has_nonfinite`` as written in ``hieravg_optim/agreement.py`` at ``rev``."""
+    """``has_nonfinite`` as written at ``rev``: in ``hieravg_optim/nonfinite.py``, or (older revisions)
+    ``hieravg_optim/agreement.py``."""
     import torch
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    src = subprocess.run(
-        ["git", "show", f"{rev}:hieravg_optim/agreement.py"], cwd=root, check=True, capture_output=True, text=True
-    ).stdout
-    node = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "has_nonfinite")
+    node = None
+    for module in ("nonfinite", "agreement"):
+        shown = subprocess.run(
+            ["git", "show", f"{rev}:hieravg_optim/{module}.py"], cwd=root, capture_output=True, text=True
+        )
+        defs = [n for n in ast.parse(shown.stdout).body if isinstance(n, ast.FunctionDef) and n.name == "has_nonfinite"]
+        if shown.returncode == 0 and defs:
+            node = defs[0]
+            break
+    if node is None:
+        raise SystemExit(f"no has_nonfinite in hieravg_optim/nonfinite.py or agreement.py at {rev}")
     namespace = {"torch": torch, "Sequence": list}
-    exec(compile(ast.Module(body=[node], type_ignores=[]), f"{rev}:agreement.py", "exec"), namespace)
+    exec(compile(ast.Module(body=[node], type_ignores=[]), f"{rev}:{module}.py", "exec"), namespace)
     return namespace["has_nonfinite"]
 
 

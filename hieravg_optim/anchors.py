@@ -103,15 +103,19 @@ class OuterLevel:
 
     # -- the outer step ----------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, tensors: Sequence[torch.Tensor]) -> None:
+    def step(self, tensors: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
         """``g = anchor - mean``; one outer step on the anchors; copy the anchors into ``tensors``.
 
         ``tensors`` hold the level's mean (after the all-reduce) and get the new anchors, cast to
-        their dtype, in place.
+        their dtype, in place. With ``indices`` (a fragment's round, ``fragments``), ``tensors`` are the means of
+        the anchors at those indices only: the others get no pseudo-gradient, and the outer optimizer (which
+        skips parameters without ``.grad``, as every ``torch.optim`` optimizer does) leaves them and their state
+        unchanged.
         """
         assert self.anchors is not None and self.optimizer is not None
+        anchors = self.anchors if indices is None else [self.anchors[i] for i in indices]
         grads = []
-        for a, t in zip(self.anchors, tensors):
+        for a, t in zip(anchors, tensors):
             g = a - t.to(device=a.device, dtype=torch.float32)
             a.grad = g
             grads.append(g)
@@ -126,7 +130,7 @@ class OuterLevel:
         finally:  # the pseudo-gradient is never kept, not even when the outer step raises
             for a in self.anchors:
                 a.grad = None
-        for a, t in zip(self.anchors, tensors):
+        for a, t in zip(anchors, tensors):
             t.copy_(a)
         self.synced = True
 

@@ -20,6 +20,7 @@ from .anchors import TAKE_ANCHORS, OuterAnchorsMixin, OuterLevels
 from .averaging import BucketPool
 from .checkpoint import AveragingStateMixin
 from .config import AveragingConfig, check_log_metrics_every
+from .delayed import DelayedRounds
 from .groups import LevelGroup, build_level_groups, group_timeout, timed_process_group, timeout_seconds
 from .metrics import LevelMetrics, MetricsMixin, bytes_sent
 from .nonfinite import repair_skipped_replica_state
@@ -167,6 +168,13 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         self.outer_state_device: torch.device | None = device
         """Where anchors and outer optimizer state live; ``None``: each tensor's own device."""
         self._outers = OuterLevels(config.levels, factories, device)
+        self._delayed: DelayedRounds | None = (
+            DelayedRounds(config, self.process_group, self.level_groups)
+            if config.delay_steps or config.fragments
+            else None
+        )
+        """The delayed and fragment rounds (``delay_steps``, ``fragments``); ``None`` with the defaults, whose rounds
+        run the synchronous path only."""
 
     @property
     def replica_group(self) -> dist.ProcessGroup | None:
@@ -253,7 +261,9 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         self.verify_step_if_loaded()
         count = self.step
         index = self.due_level()
-        if index is not None:
+        if self._delayed is not None and self._delayed.handles(count, index):
+            index = self._step_delayed(count, tensors, check, context)
+        elif index is not None:
             # A callback that raises on some ranks only is raised on every rank of the subgroup by the round's
             # agreement, instead of those ranks leaving while the others wait in it until the timeout.
             chosen: Sequence[torch.Tensor] = []
@@ -276,6 +286,95 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         if inner_optimizer is not None and self.replaced_at_step == count:
             repair_skipped_replica_state(inner_optimizer, count)
         return index
+
+    def _step_delayed(
+        self,
+        count: int,
+        tensors: Callable[[], Sequence[torch.Tensor]],
+        check: Callable[[], BaseException | None] | None,
+        context: Callable[[], Mapping[str, object]] | None,
+    ) -> int | None:
+        """:meth:`step_and_average` at a count with a delayed or fragment round to apply or start.
+
+        First the rounds due at ``count`` are applied (in level order), then the rounds of :meth:`DelayedRounds.plan`
+        start (in level order): at a level with neither a delay nor fragments, the synchronous round over its part of
+        the tensors. Returns the highest level that applied or started a round, or ``None``.
+        """
+        delayed = self._delayed
+        assert delayed is not None
+        chosen: Sequence[torch.Tensor] = []
+        extra = None
+        try:
+            error = None if check is None else check()
+            extra = None if context is None else context()
+            chosen = list(tensors())
+        except Exception as exc:  # noqa: BLE001 - raised below, in the first round's agreement
+            error, extra, chosen = exc, None, []
+        touched: list[int] = []
+        for li in sorted(li for li, r in delayed.in_flight.items() if r.apply_at == count):
+            round_ = delayed.in_flight.pop(li)
+            if error is not None:
+                round_.wait()
+                raise error
+            delayed.apply(round_, chosen, outers=self._outers, metrics=self._metrics[li])
+            if round_.replaced:
+                self.replaced_at_step = count
+            touched.append(li)
+        if error is not None:
+            rounds = [(first, None, ()) for first in delayed.first_level(count)]
+            if not rounds:
+                raise error
+        else:
+            rounds = delayed.plan(count, chosen)
+        for li, fragment, positions in rounds:
+            touched.append(li)
+            if not delayed.active(li):
+                part = chosen if len(positions) == len(chosen) else [chosen[i] for i in positions]
+                self.average(li, part, error=error, context=extra)
+                continue
+            round_ = delayed.start(
+                li, fragment, positions, chosen, count=count, outers=self._outers, metrics=self._metrics[li],
+                pool=self.pool, replica_group=self._replica_group, replica_ranks=self._replica_ranks, error=error,
+                context=extra,
+            )  # fmt: skip
+            if round_.apply_at == count:
+                delayed.apply(round_, chosen, outers=self._outers, metrics=self._metrics[li])
+                if round_.replaced:
+                    self.replaced_at_step = count
+            else:
+                delayed.in_flight[li] = round_
+        return max(touched, default=None)
+
+    @eager_under_compile
+    def apply_rounds_in_flight(self, tensors: Sequence[torch.Tensor]) -> int:
+        """Wait for every delayed round in flight and apply it to ``tensors`` now, before its apply count.
+
+        For the end of training (or before an evaluation on the averaged weights): a round started at count ``t``
+        is otherwise applied at ``t + delay_steps`` only. The round is applied as at its count
+        (:attr:`AveragingConfig.delay_correction`, :attr:`AveragingConfig.delay_mixing`), the local progress being
+        the steps taken since ``t``. Local once the collectives have completed; every rank of the process group
+        has the same rounds in flight, so calling it on every rank at the same count keeps them in step.
+
+        Args:
+            tensors: The tensors the rounds average (as ``step_and_average``'s ``tensors()`` returns them).
+
+        Returns:
+            The number of rounds applied (0 without ``delay_steps`` or with none in flight).
+
+        Raises:
+            CollectiveError: if a round's collective failed (a dead or hung peer), naming it.
+        """
+        delayed = self._delayed
+        if delayed is None:
+            return 0
+        applied = 0
+        for li in sorted(delayed.in_flight):
+            round_ = delayed.in_flight.pop(li)
+            delayed.apply(round_, list(tensors), outers=self._outers, metrics=self._metrics[li])
+            if round_.replaced:
+                self.replaced_at_step = self.step
+            applied += 1
+        return applied
 
     @eager_under_compile
     def average(

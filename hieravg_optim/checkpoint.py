@@ -268,8 +268,20 @@ class AveragingStateMixin:
         With outer optimizers whose anchors are taken, also ``"outer"``: ``{period: {"anchors": [Tensor,
         ...], "optimizer": outer_optimizer.state_dict(), "synced": bool}}``, this rank's fp32 anchors (its
         shards; the tensors themselves, not copies) and outer optimizer state, per level with an outer optimizer.
+
+        With a round in flight (``delay_steps``), also ``"in_flight"``: its collective is waited for first (no
+        tensor changes), then per period the copies all-reduced, the snapshot and the apply count
+        (:meth:`hieravg_optim.delayed.DelayedRounds.state_dict`), so that a resumed run applies it at the same count.
+
+        Raises:
+            CollectiveError: if the collective of a round in flight failed.
         """
-        return averaging_state(self.step, self.config, self._outers)
+        state = averaging_state(self.step, self.config, self._outers)
+        delayed = getattr(self, "_delayed", None)
+        in_flight = {} if delayed is None else delayed.state_dict()
+        if in_flight:
+            state["in_flight"] = in_flight
+        return state
 
     def check_outer_state(
         self, state: Mapping[str, Any], tensors: Sequence[torch.Tensor] | None = None
@@ -376,7 +388,18 @@ class AveragingStateMixin:
         Wrappers that must leave everything unchanged when the inner optimizer rejects its part call
         :meth:`check_outer_state` first, then this, then the inner load, then :meth:`load_outer_state`.
         """
-        self.step = read_step(state)
+        step = read_step(state)
+        delayed = getattr(self, "_delayed", None)
+        saved = state.get("in_flight") if isinstance(state, Mapping) else None
+        if saved and delayed is None:
+            raise ValueError(
+                f"The averaging state dict holds rounds in flight (periods {sorted(map(str, saved))}), but this averager "
+                "has no delay_steps: resume with the saved run's delay_steps and fragments, so that they are applied."
+            )
+        rounds = delayed.check_state(saved or {}, step) if delayed is not None else None
+        self.step = step
+        if delayed is not None:
+            delayed.load_state(rounds)
         warn_schedule_changes(state, self.step, self.config)
         self._verify_step_pending = True
 
@@ -387,9 +410,12 @@ class AveragingStateMixin:
         For a wrapper that loads the count with :meth:`load_step_state` and then its inner optimizer, and must
         leave everything unchanged when either rejects its part.
         """
-        previous = (self.step, self._verify_step_pending)
+        delayed = getattr(self, "_delayed", None)
+        previous = (self.step, self._verify_step_pending, None if delayed is None else dict(delayed.in_flight))
         try:
             yield
         except BaseException:
-            self.step, self._verify_step_pending = previous
+            self.step, self._verify_step_pending, in_flight = previous
+            if delayed is not None:
+                delayed.in_flight = in_flight
             raise

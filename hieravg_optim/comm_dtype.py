@@ -22,7 +22,7 @@ from typing import Union
 import torch
 
 from ._validation import setting_error
-from .schedule import AveragingLevel, entries_by_period
+from .schedule import AveragingLevel, per_level
 
 __all__ = ["COMM_DTYPES", "CommDtype", "parse_comm_dtype", "wire_dtype"]
 
@@ -90,17 +90,8 @@ def parse_comm_dtype(value: CommDtype, levels: tuple[AveragingLevel, ...]) -> tu
         ValueError: naming the value (and the period), for an unknown dtype, a period
             that is not one of the levels', or a period given twice (``{"4": ..., 4: ...}``).
     """
-    if isinstance(value, Mapping):
-        periods = [lv.period for lv in levels]
-        example = f'{{"{periods[-1]}": "bf16"}}'
-        by_period = {
-            period: _one(dtype, f" of period {period}")
-            for period, _, dtype in entries_by_period(value, levels, "comm_dtype", example)
-        }
-        names = tuple(by_period.get(p) for p in periods)
-    else:
-        names = (_one(value, ""),) * len(levels)
-    return () if all(n is None for n in names) else names
+    example = f'{{"{levels[-1].period}": "bf16"}}'
+    return per_level(value, levels, "comm_dtype", _one, None, example)
 
 
 def wire_dtype(dtype: torch.dtype, comm_dtype: str | None) -> torch.dtype:

@@ -32,6 +32,7 @@ from ._validation import (
     warn_at_caller,
 )
 from .comm_dtype import COMM_DTYPES, CommDtype, parse_comm_dtype
+from .delay_settings import PerLevel, check_delay_settings, parse_delay_setting
 from .outer import OuterFactory, check_outer_optimizers, check_outer_state_device, probe_factory
 from .schedule import AveragingLevel, parse_levels
 
@@ -200,6 +201,52 @@ class AveragingConfig:
     ``{period: dtype}``, e.g. ``{32: "bf16"}`` to halve the bytes of fp32 weights on the slowest level.
     Tensors keep their dtype; only the copy on the wire is rounded. See :mod:`hieravg_optim.comm_dtype`."""
 
+    delay_steps: tuple[int, ...] = ()
+    """The delay ``tau`` of each level's rounds, in optimizer steps, in level order; ``()`` (default): 0 at every
+    level, each round applied at the count it starts (today's synchronous round).
+
+    Given as one non-negative integer or ``{period: steps}``, e.g. ``{32: 4}``. A level's round (or fragment round)
+    that starts at count ``t`` checks and agrees synchronously as usual, copies the tensors (the *snapshot*, sharded
+    like them), and all-reduces the copy in the background (its own process groups, a thread) while the next ``tau``
+    inner steps run; it is applied at count ``t + tau``, before that count's own round, on every rank of the group
+    (see :attr:`delay_correction`, :attr:`delay_mixing` and ``docs/semantics.md``). Must be below the level's
+    period and below its fragment spacing (:attr:`fragments`); warm-up rounds (counts below ``warmup_steps``)
+    stay synchronous. Memory per level while a round is in flight: one copy of the round's tensors (two with
+    the ``"eager"`` correction). Streaming DiLoCo's overlapping (https://arxiv.org/abs/2501.18512), Eager
+    updates (https://arxiv.org/abs/2502.12996), torchft's ``fragment_sync_delay``."""
+
+    fragments: tuple[int, ...] = ()
+    """The number of fragments ``F`` of each level, in level order; ``()`` (default): 1 at every level.
+
+    Given as one positive integer or ``{period: F}``. The level's tensors (the list a round averages, in order) are
+    split by whole tensors into ``F`` consecutive fragments of about equal bytes; fragment ``j`` has its own round
+    at the counts ``t`` with ``t % period == round(j * period / F)`` (Streaming DiLoCo,
+    https://arxiv.org/abs/2501.18512), so one round moves about ``1/F`` of the bytes. At a count where a fragment
+    and a lower level are due, each tensor follows the largest level due for it: the fragment's tensors that level,
+    the others the lower level. ``F`` must not exceed the period nor the number of tensors (checked at the
+    first round, on every rank); an outer optimizer on a level below a level with fragments is not supported."""
+
+    delay_mixing: tuple[float, ...] = ()
+    """Streaming DiLoCo's mixing weight ``alpha`` of each level's delayed or fragment rounds, in level order;
+    ``()`` (default): 0 at every level.
+
+    Given as one number in ``[0, 1]`` or ``{period: alpha}``. With ``R`` the round's result (the mean of the
+    snapshots, or the anchors after the outer step) and ``theta`` the live local tensor at the apply count, the
+    tensor becomes ``(1 - alpha) * A + alpha * theta``, ``A`` the value :attr:`delay_correction` gives
+    (``R + (theta - snapshot)`` for ``"eager"``, ``R`` for ``"none"``). ``alpha = 0`` applies ``A`` exactly;
+    Streaming DiLoCo (https://arxiv.org/abs/2501.18512, its ``alpha``, 0.5 in the paper) is ``"none"`` with
+    ``alpha > 0``: ``theta <- alpha * theta_local + (1 - alpha) * theta_global``."""
+
+    delay_correction: tuple[str, ...] = ()
+    """What a delayed round applies at ``t + tau`` per level, in level order; ``()`` (default): ``"eager"`` at every
+    level.
+
+    Given as ``"eager"`` or ``"none"``, or ``{period: value}``. ``"eager"`` keeps the local progress made while
+    the round was in flight: ``theta <- R + (theta_{t+tau} - theta_t)``, ``R`` the mean of ``theta_t`` over the
+    group, or, with an outer optimizer, the anchors after the outer step on the delayed pseudo-gradient
+    ``anchor - R`` (Eager updates, https://arxiv.org/abs/2502.12996). ``"none"``: the naive delay,
+    ``theta <- R`` at ``t + tau`` (the inner steps since ``t`` are discarded). Then :attr:`delay_mixing` applies."""
+
     average_frozen: bool = False
     """Also average the parameters whose ``requires_grad`` is ``False``. ``False`` (default): they are not sent
     and not changed; which ones are frozen is part of each round's agreement check. Does not apply to the
@@ -271,6 +318,7 @@ class AveragingConfig:
         outer = check_outer_optimizers(self.outer_optimizers, self.levels)
         sizes = {lv.period: lv.group_size for lv in self.levels}
         object.__setattr__(self, "outer_optimizers", outer)
+        check_delay_settings(self)
         object.__setattr__(self, "_outer_kinds", {p: _probe_once(p, f, sizes[p]) for p, f in outer.items()})
 
     @classmethod
@@ -285,6 +333,10 @@ class AveragingConfig:
         collective_timeout_s: float | None = None,
         nonfinite: str = "raise",
         comm_dtype: CommDtype = None,
+        delay_steps: PerLevel = 0,
+        fragments: PerLevel = 1,
+        delay_mixing: PerLevel = 0.0,
+        delay_correction: PerLevel = "eager",
         ranks_per_node: int | str | None = None,
         average_frozen: bool = False,
         outer_optimizers: Mapping[int | str, OuterFactory] | None = None,
@@ -295,7 +347,8 @@ class AveragingConfig:
 
         The user forms are turned into canonical ones here only: ``{period: group_size}`` (keys may be JSON's
         strings of digits) or pairs; numpy integers; ``comm_dtype`` as one dtype or ``{period: dtype}``;
-        ``ranks_per_node="auto"``; ``outer_optimizers=None``; ``outer_state_device`` as a device name.
+        ``ranks_per_node="auto"``; ``outer_optimizers=None``; ``outer_state_device`` as a device name;
+        ``delay_steps``, ``fragments``, ``delay_mixing`` and ``delay_correction`` as one value or ``{period: value}``.
 
         Raises:
             ValueError: naming the offending value (naming the key, in the DeepSpeed section), for every invalid
@@ -306,6 +359,8 @@ class AveragingConfig:
         numbers = {"warmup_steps": warmup_steps, "ranks_per_replica": ranks_per_replica, "bucket_cap_mb": bucket_cap_mb}
         numbers["collective_timeout_s"] = collective_timeout_s
         numbers["log_metrics_every"] = log_metrics_every
+        delays = {"delay_steps": delay_steps, "fragments": fragments, "delay_mixing": delay_mixing,
+                  "delay_correction": delay_correction}  # fmt: skip
         for name, value in numbers.items():  # named as given, before they become plain ints and floats
             check_setting(name, value)
         return cls(
@@ -316,6 +371,7 @@ class AveragingConfig:
             ranks_per_node=resolve_ranks_per_node(ranks_per_node),  # type: ignore[arg-type]
             bucket_cap_mb=as_real(bucket_cap_mb),  # type: ignore[arg-type]
             comm_dtype=comm_dtype if isinstance(comm_dtype, tuple) else parse_comm_dtype(comm_dtype, levels),
+            **{name: parse_delay_setting(name, value, levels) for name, value in delays.items()},
             average_frozen=average_frozen,
             collective_timeout_s=as_real(collective_timeout_s),  # type: ignore[arg-type]
             nonfinite=nonfinite,  # type: ignore[arg-type]

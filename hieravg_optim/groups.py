@@ -185,7 +185,13 @@ def node_split_ranks(subgroup: list[int], ranks_per_node: int) -> tuple[list[lis
     return local, [list(column) for column in zip(*local)]
 
 
-def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup | None = None) -> list[LevelGroup]:
+def build_level_groups(
+    config: AveragingConfig,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    levels: Sequence[AveragingLevel] | None = None,
+    fresh: bool = False,
+) -> list[LevelGroup]:
     """Create the averaging subgroups of every level, once.
 
     .. warning::
@@ -201,9 +207,12 @@ def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup
             gives them the timeout of ``process_group`` (:func:`torch.distributed.new_group` alone
             would give torch's default for the backend, 30 min on gloo, 10 min on NCCL).
         process_group: The overall group; ``None`` means the default (world) group.
+        levels: The levels to build groups for (``None``: ``config.levels``).
+        fresh: Create every group anew, never reusing ``process_group``: the groups of the rounds that run in the
+            background (``delay_steps``), which no other collective may share.
 
     Returns:
-        One :class:`LevelGroup` per level, in the order of ``config.levels``.
+        One :class:`LevelGroup` per level, in the order of ``config.levels`` (or ``levels``).
     """
     pg = process_group if process_group is not None else dist.group.WORLD
     global_ranks = dist.get_process_group_ranks(pg)
@@ -224,13 +233,13 @@ def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup
             return
         if len(ranks) == 1:
             cache[ranks] = None
-        elif len(ranks) == world_size and not own_timeout:
+        elif len(ranks) == world_size and not own_timeout and not fresh:
             cache[ranks] = pg
         elif not local_sync or my_rank in ranks:
             cache[ranks] = new_timed_group(ranks, timeout, local_sync=local_sync)
 
     result = []
-    for level in config.levels:
+    for level in config.levels if levels is None else levels:
         mine: tuple[int, ...] | None = None
         for local in averaging_subgroup_ranks(world_size, level.group_size, config.ranks_per_replica):
             ranks = tuple(sorted(global_ranks[i] for i in local))
@@ -254,7 +263,7 @@ def build_level_groups(config: AveragingConfig, process_group: dist.ProcessGroup
                         cross_size=len(mine_cross),
                     )
         result.append(LevelGroup(level=level, ranks=mine, group=cache[mine], node=node))
-    if my_rank == global_ranks[0]:
+    if my_rank == global_ranks[0] and not fresh:
         for lg in result:
             logger.info(
                 "hierarchical averaging: every %d steps, %d ranks per group average in subgroups of %d "

@@ -43,6 +43,7 @@ from .config import AveragingConfig
 from .ddp import register_post_local_sgd_hook
 from .deepspeed.section import SECTION, SectionSettings, check_world_size, parse_section
 from .optimizer import HierarchicalAveragingOptimizer
+from .run import INSTALL_ENV
 
 __all__ = ["CONFIG_ENV", "HierarchicalAveraging", "callbacks_factory"]
 
@@ -58,13 +59,20 @@ def callbacks_factory() -> list[Callback]:
     :data:`CONFIG_ENV` is set, else ``[]``.
 
     Lightning calls it in every ``Trainer`` constructor, on every rank; it reads the variable and checks the
-    section there, with no collective.
+    section there, with no collective. Under ``python -m hieravg_optim.run`` (the variable
+    :data:`hieravg_optim.run.INSTALL_ENV` set), it also calls :func:`hieravg_optim.deepspeed.install`, so that
+    the ranks Lightning's own launcher starts as ``python train.py`` (without the runner) build their
+    ``DeepSpeedStrategy`` engines with the section, as the first rank does.
 
     Raises:
         ValueError: naming the variable, if it is set but is neither a JSON object nor the path of a JSON
             file holding one, or for an invalid section (unknown key, bad value), on every rank whose
             environment has it.
     """
+    if os.environ.get(INSTALL_ENV) == "1":
+        import hieravg_optim.deepspeed
+
+        hieravg_optim.deepspeed.install()  # idempotent
     value = os.environ.get(CONFIG_ENV, "").strip()
     if not value:
         return []

@@ -39,6 +39,14 @@ class LevelMetrics:
     outer_bytes: int = 0
     """Bytes this rank holds for the level's outer optimizer: its fp32 anchors plus the outer optimizer's
     state (0 without an outer optimizer, or before the anchors are taken)."""
+    rounds_started: int = 0
+    """Delayed and fragment rounds started (``delay_steps``, ``fragments``); 0 at a level without them."""
+    rounds_applied: int = 0
+    """Delayed and fragment rounds applied (each also counts in ``rounds``); one less than ``rounds_started`` while
+    one is in flight."""
+    bytes_in_flight: int = 0
+    """Bytes this rank holds now for the level's round in flight: its copies of the round's tensors (the
+    all-reduced copy, plus the snapshot with the ``"eager"`` correction); 0 when none is in flight."""
     pseudo_grad_norm: float | None = None
     """L2 norm of this rank's pseudo-gradient (``anchor - mean``, over its shards) at the level's last round;
     ``None`` before the first round after the anchors were taken, or without an outer optimizer."""
@@ -72,13 +80,16 @@ class MetricsMixin:
             :class:`LevelMetrics` as a plain dict of ints, floats and ``None``: ``period``,
             ``group_size``, ``subgroup_size``, ``rounds``, ``payload_bytes``, ``bytes_sent``
             (bytes), ``seconds``, ``outer_bytes`` (bytes of fp32 anchors plus outer optimizer state
-            held now) and ``pseudo_grad_norm`` (at the level's last round, or ``None``). Example
+            held now), ``rounds_started``, ``rounds_applied`` and ``bytes_in_flight`` (delayed and fragment rounds) and
+            ``pseudo_grad_norm`` (at the level's last round, or ``None``). Example
             for ``{4: 2, 8: 4}`` after 16 steps on 4 ranks
             of float32 parameters of 1,000 elements: ``{4: {"rounds": 2, "payload_bytes": 8000,
             "bytes_sent": 8000, ...}, 8: {"rounds": 2, "payload_bytes": 8000, "bytes_sent": 12000, ...}}``.
         """
-        for m, outer in zip(self._metrics, self._outers.by_level):
+        delayed = getattr(self, "_delayed", None)
+        for i, (m, outer) in enumerate(zip(self._metrics, self._outers.by_level)):
             m.outer_bytes = 0 if outer is None else outer.nbytes()
+            m.bytes_in_flight = 0 if delayed is None else delayed.held_bytes(i)
         return {m.period: asdict(m) for m in self._metrics}
 
     def _log_metrics_if_due(self) -> None:

@@ -28,6 +28,7 @@ from .checks import (
     unique_params,
 )
 from .comm_dtype import CommDtype
+from .delay_settings import PerLevel
 from .config import AveragingConfig
 from .inner import (
     GROUP_STEP_KEY,
@@ -96,6 +97,10 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         collective_timeout_s: In seconds: [`collective_timeout_s`][hieravg_optim.AveragingConfig.collective_timeout_s].
         nonfinite: NaN or infinity: [`nonfinite`][hieravg_optim.AveragingConfig.nonfinite].
         comm_dtype: The wire dtype: [`comm_dtype`][hieravg_optim.AveragingConfig.comm_dtype].
+        delay_steps: Delayed rounds: [`delay_steps`][hieravg_optim.AveragingConfig.delay_steps].
+        fragments: Streamed fragments: [`fragments`][hieravg_optim.AveragingConfig.fragments].
+        delay_mixing: Streaming DiLoCo's alpha: [`delay_mixing`][hieravg_optim.AveragingConfig.delay_mixing].
+        delay_correction: [`delay_correction`][hieravg_optim.AveragingConfig.delay_correction].
         ranks_per_node: Node-aware levels: [`ranks_per_node`][hieravg_optim.AveragingConfig.ranks_per_node].
         outer_optimizers: DiLoCo: [`outer_optimizers`][hieravg_optim.AveragingConfig.outer_optimizers].
         outer_state_device: Anchors' device: [`outer_state_device`][hieravg_optim.AveragingConfig.outer_state_device].
@@ -146,6 +151,10 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         collective_timeout_s: float | None = None,
         nonfinite: str = "raise",
         comm_dtype: CommDtype = None,
+        delay_steps: PerLevel = 0,
+        fragments: PerLevel = 1,
+        delay_mixing: PerLevel = 0.0,
+        delay_correction: PerLevel = "eager",
         ranks_per_node: int | str | None = None,
         outer_optimizers: Mapping[int | str, OuterFactory] | None = None,
         outer_state_device: str | torch.device | None = None,
@@ -167,6 +176,10 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
                 collective_timeout_s=collective_timeout_s,
                 nonfinite=nonfinite,
                 comm_dtype=comm_dtype,
+                delay_steps=delay_steps,
+                fragments=fragments,
+                delay_mixing=delay_mixing,
+                delay_correction=delay_correction,
                 ranks_per_node=ranks_per_node,
                 average_frozen=average_frozen,
                 outer_optimizers=outer_optimizers,

@@ -5,6 +5,12 @@ Calls :func:`hieravg_optim.deepspeed.install`, then runs ``SCRIPT`` as ``__main_
 script's folder, as ``python SCRIPT ARGS...`` would set them (a ``--local_rank=N`` that the
 ``deepspeed`` launcher puts before ``SCRIPT`` goes right after it, where it puts it without
 ``--module``). No line of the script changes.
+It also exports :data:`INSTALL_ENV` (``HIERAVG_DEEPSPEED_INSTALL=1``) to the script and the processes it
+starts: a framework that starts the other ranks of a node itself, by re-running the script as
+``python train.py`` (Lightning's own launcher), gives them the variable, and Lightning's ``Trainer`` then
+installs the hook on those ranks too (:func:`hieravg_optim.lightning.callbacks_factory`, loaded through
+Lightning's entry points in every ``Trainer`` constructor). Fabric loads no such entry point: with Fabric
+starting the ranks, call :func:`~hieravg_optim.deepspeed.install` in the script.
 It also shows this library's INFO records (the levels each averaging engine logs on rank 0) on
 stderr, unless the ``hieravg_optim`` logger already has a handler. Launch lines::
 
@@ -22,7 +28,10 @@ import os
 import runpy
 import sys
 
-__all__ = ["main"]
+__all__ = ["INSTALL_ENV", "main"]
+
+INSTALL_ENV = "HIERAVG_DEEPSPEED_INSTALL"
+"""Set to ``"1"`` by the runner: a ``Trainer`` built under it calls :func:`hieravg_optim.deepspeed.install`."""
 
 _USAGE = "usage: python -m hieravg_optim.run SCRIPT [ARGS...]"
 
@@ -53,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 
     _show_info_records()
     hieravg_optim.deepspeed.install()
+    os.environ[INSTALL_ENV] = "1"  # for the ranks a framework's own launcher starts as `python SCRIPT`
     sys.argv = [script, *local_rank, *argv[1:]]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(script, run_name="__main__")

@@ -19,7 +19,7 @@ The rule is the one of PyTorch's
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,10 @@ __all__ = [
     "Levels",
     "as_levels",
     "entries_by_period",
+    "fragment_offsets",
+    "fragment_spacing",
     "level_at",
+    "per_level",
     "parse_levels",
     "period_of_key",
     "rounds_per_level",
@@ -97,6 +100,60 @@ def entries_by_period(
         keys[period] = key
         entries.append((period, key, item))
     return entries
+
+
+def per_level(
+    value: Any,
+    levels: Sequence[AveragingLevel],
+    name: str,
+    one: Callable[[Any, str], Any],
+    default: Any,
+    example: str,
+) -> tuple[Any, ...]:
+    """A per-level setting in its canonical form: one value per level, in level order, or ``()`` for the default.
+
+    The form of ``comm_dtype``, ``delay_steps``, ``fragments``, ``delay_mixing`` and ``delay_correction``: one value
+    for every level, or a mapping ``{period: value}`` (keys read by :func:`entries_by_period`) whose omitted levels
+    take ``default``. Local, no collective.
+
+    Args:
+        value: One value, or the mapping.
+        levels: The levels of the config.
+        name: The setting's name, for the messages.
+        one: Checks one value and returns its canonical form; called as ``one(value, where)``, ``where`` being
+            ``""`` or ``" of period P"`` for the messages. It raises the setting's ``ValueError``.
+        default: The canonical default of one level.
+        example: A valid mapping, for the messages.
+
+    Returns:
+        One canonical value per level, or ``()`` when every level has ``default``.
+
+    Raises:
+        ValueError: from ``one``; from :func:`entries_by_period` for a key that is not a period or a period given
+            twice.
+    """
+    if isinstance(value, Mapping):
+        by_period = {period: one(item, f" of period {period}") for period, _, item in entries_by_period(value, levels, name, example)}
+        out = tuple(by_period.get(lv.period, default) for lv in levels)
+    else:
+        out = (one(value, ""),) * len(levels)
+    return () if all(v == default and type(v) is type(default) for v in out) else out
+
+
+def fragment_offsets(period: int, fragments: int) -> tuple[int, ...]:
+    """The count offset of each fragment of a level: fragment ``j`` starts its rounds at the counts ``t`` with
+    ``t % period == offsets[j]``; ``offsets[j]`` is ``j * period / fragments`` rounded half up.
+
+    Streaming DiLoCo (https://arxiv.org/abs/2501.18512) staggers the fragments' rounds so. Pure.
+    """
+    return tuple((2 * j * period + fragments) // (2 * fragments) for j in range(fragments))
+
+
+def fragment_spacing(period: int, fragments: int) -> int:
+    """The fewest counts between two consecutive fragment rounds of a level (cyclically): ``period`` for one
+    fragment. A delay must be below it, so that one fragment's round at most is in flight at a time. Pure."""
+    offsets = fragment_offsets(period, fragments)
+    return min(b - a for a, b in zip(offsets, (*offsets[1:], offsets[0] + period)))
 
 
 def parse_levels(

@@ -374,6 +374,28 @@ def test_install_and_uninstall_are_idempotent():
     assert deepspeed.initialize is original and plain_initialize() is original
 
 
+def test_uninstall_keeps_a_wrapper_set_after_install():
+    """A wrapper another library sets over the installed function is not dropped by uninstall(), which warns."""
+    import hieravg_optim.deepspeed as hds
+
+    original = deepspeed.initialize
+    hds.install()
+    installed_fn = deepspeed.initialize
+
+    def third_party_initialize(*args, **kwargs):
+        return installed_fn(*args, **kwargs)
+
+    deepspeed.initialize = third_party_initialize
+    try:
+        with pytest.warns(UserWarning, match=r"third_party_initialize, set after hieravg_optim\.deepspeed\.install"):
+            assert hds.uninstall() is False
+        assert deepspeed.initialize is third_party_initialize and hds.installed()
+    finally:
+        deepspeed.initialize = installed_fn
+        assert hds.uninstall() is True
+    assert deepspeed.initialize is original
+
+
 def test_install_warns_about_initialize_bound_by_name():
     import hieravg_optim.deepspeed as hds
 

@@ -542,9 +542,11 @@ def test_has_nonfinite():
     from hieravg_optim.agreement import has_nonfinite
 
     nan, inf = float("nan"), float("inf")
-    big = torch.full((4,), 3e38)  # its squares overflow float32: finite all the same
-    wide = torch.full((100,), 60000.0, dtype=torch.float16)  # its 2-norm (6e5) is beyond float16's range
+    big = torch.full((4,), 3e38)  # its sum and its squares overflow float32: finite all the same
+    wide = torch.full((100,), 60000.0, dtype=torch.float16)  # its sum and 2-norm (6e6, 6e5) are beyond float16's range
     assert not has_nonfinite([big, wide, torch.zeros(0), torch.tensor([1e19, 3e19], dtype=torch.bfloat16)])
+    assert not has_nonfinite([big.to(torch.bfloat16), big.double() ** 8])  # sums beyond bfloat16's and float64's range
+    assert has_nonfinite([torch.tensor([float("inf"), -float("inf")])])  # opposite infinities: a NaN sum
     assert has_nonfinite([big, torch.tensor([1.0, nan])])
     assert has_nonfinite([torch.tensor([-inf], dtype=torch.bfloat16)])
     assert has_nonfinite([wide, torch.tensor([1.0, inf], dtype=torch.float16)])

@@ -33,6 +33,9 @@ METRIC_KEYS = {
     "bytes_sent",
     "seconds",
     "outer_bytes",
+    "rounds_started",
+    "rounds_applied",
+    "bytes_in_flight",
     "pseudo_grad_norm",
 }
 

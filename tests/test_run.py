@@ -9,6 +9,7 @@ rank 0 logs the levels once.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -90,3 +91,41 @@ def test_runner_without_a_script_prints_the_usage():
         )
         assert result.returncode == code, (args, result.stderr)
         assert "usage: python -m hieravg_optim.run SCRIPT [ARGS...]" in result.stderr, result.stderr
+
+
+def test_ranks_a_framework_restarts_install_the_hook_through_lightnings_entry_point(tmp_path):
+    """The runner exports ``HIERAVG_DEEPSPEED_INSTALL=1``; Lightning's launcher starts the node's other ranks as
+    ``python train.py`` with that environment, without the runner: a ``Trainer`` built there installs the hook
+    (the entry point's ``callbacks_factory``), which it did not before (a hang under ``DeepSpeedStrategy``: the
+    first rank's engine averaged, the others' did not). Without the variable, nothing is installed."""
+    pytest.importorskip("lightning")
+    from tests.test_lightning import _write_dist_info
+
+    from hieravg_optim.run import INSTALL_ENV
+
+    site = _write_dist_info(tmp_path / "site")
+    child = (
+        "import hieravg_optim.deepspeed as d\n"
+        "from lightning.pytorch import Trainer\n"
+        "before = d.installed()\n"
+        "Trainer(accelerator='cpu', devices=1, logger=False, enable_checkpointing=False)\n"
+        "print('INSTALLED', before, d.installed())\n"
+    )
+    for value, expected in (("1", "INSTALLED False True"), (None, "INSTALLED False False")):
+        env = {k: v for k, v in os.environ.items() if k != INSTALL_ENV}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), str(ROOT), env.get("PYTHONPATH")]))
+        if value is not None:
+            env[INSTALL_ENV] = value
+        result = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=180)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert expected in result.stdout, (value, result.stdout, result.stderr[-2000:])
+
+
+def test_runner_exports_the_install_variable_to_the_script(tmp_path):
+    script = tmp_path / "show_env.py"
+    script.write_text("import os\nprint('ENV', os.environ.get('HIERAVG_DEEPSPEED_INSTALL'))\n")
+    result = subprocess.run([sys.executable, "-m", "hieravg_optim.run", str(script)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "ENV 1" in result.stdout, result.stdout

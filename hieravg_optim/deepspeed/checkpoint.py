@@ -37,6 +37,9 @@ CHECKPOINT_KEY = "hierarchical_averaging"
 
 OUTER_SAVED = "outer_state_per_rank"
 """Key in the saved averaging state: the periods whose outer state each rank saved in :func:`outer_state_file`."""
+IN_FLIGHT_SAVED = "in_flight_per_rank"
+"""Key in the saved averaging state: the periods whose round in flight each rank saved in :func:`outer_state_file`."""
+OUTER_KEY, IN_FLIGHT_KEY = "outer", "in_flight"
 
 
 def replica_checkpoint_dir(save_dir: str | os.PathLike, replica_index: int, tag: str | None = None) -> str:
@@ -91,19 +94,23 @@ def write_latest(save_dir: str | os.PathLike, tag: str) -> None:
 
 
 def save_outer_state(averaging: dict[str, Any], tag_dir: str, dp_rank: int) -> None:
-    """Move the ``"outer"`` entry of ``averaging`` (a state dict, changed in place) into this rank's file.
+    """Move the per-rank tensor entries of ``averaging`` (a state dict, changed in place) into this rank's file.
 
-    Writes :func:`outer_state_file` in ``tag_dir`` atomically (a temporary file, then a rename) and puts
-    the saved periods under :data:`OUTER_SAVED` instead. Nothing is written without an outer state. Local.
+    Those entries hold lists of tensors shaped like this rank's averaged tensors (its ZeRO partition): ``"outer"``
+    (anchors and outer optimizer state) and ``"in_flight"`` (the rounds in flight, ``delay_steps``). Writes
+    :func:`outer_state_file` in ``tag_dir`` atomically (a temporary file, then a rename) and puts the saved periods
+    under :data:`OUTER_SAVED` and :data:`IN_FLIGHT_SAVED` instead. Nothing is written without them. Local.
     """
-    outer = averaging.pop("outer", None)
-    if not outer:
+    entries = {key: averaging.pop(key, None) for key in (OUTER_KEY, IN_FLIGHT_KEY)}
+    if not any(entries.values()):
         return
     os.makedirs(tag_dir, exist_ok=True)
     _save_atomically(
-        {"outer": outer, "step": averaging.get("step"), "rank": dist.get_rank()}, outer_state_file(tag_dir, dp_rank)
+        {**entries, "step": averaging.get("step"), "rank": dist.get_rank()}, outer_state_file(tag_dir, dp_rank)
     )
-    averaging[OUTER_SAVED] = sorted(int(p) for p in outer)
+    for key, marker in ((OUTER_KEY, OUTER_SAVED), (IN_FLIGHT_KEY, IN_FLIGHT_SAVED)):
+        if entries[key]:
+            averaging[marker] = sorted(int(p) for p in entries[key])
 
 
 def with_outer_state(
@@ -124,8 +131,10 @@ def with_outer_state(
     """
     saved = dict(saved)
     periods = saved.pop(OUTER_SAVED, None)
-    if not periods:
+    in_flight = saved.pop(IN_FLIGHT_SAVED, None)
+    if not periods and not in_flight:
         return saved
+    periods = periods or in_flight
     path = outer_state_file(tag_dir, dp_rank)
     if not os.path.exists(path):
         raise FileNotFoundError(
@@ -139,5 +148,7 @@ def with_outer_state(
             f"{path} holds the outer optimizer state of averaging step {loaded.get('step')}, but the checkpoint in "
             f"{tag_dir} was saved at step {saved.get('step')}: the folder mixes two saves. Restore it whole."
         )
-    saved["outer"] = loaded["outer"]
+    for key in (OUTER_KEY, IN_FLIGHT_KEY):
+        if loaded.get(key):
+            saved[key] = loaded[key]
     return saved

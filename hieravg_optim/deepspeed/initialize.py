@@ -361,13 +361,30 @@ def install() -> bool:
 def uninstall() -> bool:
     """Put DeepSpeed's own ``deepspeed.initialize`` back; engines already built keep their averaging.
 
+    Only this library's function is replaced: if something replaced ``deepspeed.initialize`` after
+    :func:`install` (another library's wrapper, which may call this library's), both stay in place, with a
+    warning; putting DeepSpeed's back would drop that wrapper. Local (no collective).
+
     Returns:
-        True if this call uninstalled it, False if it was not installed.
+        True if this call uninstalled it, False if it was not installed or was left in place.
+
+    Warns:
+        UserWarning: when ``deepspeed.initialize`` is no longer this library's function, naming it and the
+            fix (undo that replacement first, then call :func:`uninstall`).
     """
     global _plain
     import deepspeed
 
     if _plain is None:
+        return False
+    current = deepspeed.initialize
+    if current is not initialize:
+        name = f"{getattr(current, '__module__', '?')}.{getattr(current, '__qualname__', repr(current))}"
+        warn_at_caller(
+            f"deepspeed.initialize is {name}, set after hieravg_optim.deepspeed.install(): uninstall() leaves it and "
+            "the hook in place (putting DeepSpeed's own back would drop it). Undo that replacement first, then call "
+            "uninstall()."
+        )
         return False
     deepspeed.initialize, _plain = _plain, None
     return True

@@ -79,7 +79,8 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         synchronous_warmup: [`synchronous_warmup`][hieravg_optim.AveragingConfig.synchronous_warmup];
             ``True`` by default here, because FSDP reduces gradients within a replica only.
         **settings: Any other setting of :meth:`~hieravg_optim.AveragingConfig.create` (``bucket_cap_mb``,
-            ``average_frozen``, ``collective_timeout_s``, ``nonfinite``, ``comm_dtype``, ``ranks_per_node``,
+            ``average_frozen``, ``collective_timeout_s``, ``nonfinite``, ``comm_dtype``, ``delay_steps``,
+            ``fragments``, ``delay_mixing``, ``delay_correction``, ``ranks_per_node``,
             ``outer_optimizers``, ``outer_state_device``, ``log_metrics_every``), with its default there; see
             :class:`~hieravg_optim.AveragingConfig`. Here ``nonfinite`` is checked per shard index, and an
             FSDP1 flat parameter with ``use_orig_params=True`` mixing frozen and trainable parameters is

@@ -1,0 +1,526 @@
+"""Rounds off the critical path: delayed (overlapped) rounds and streamed fragments, per level.
+
+A level with ``delay_steps`` ``tau > 0`` starts its round at count ``t`` as usual (the agreement check and the
+non-finite vote, synchronously), copies the round's tensors (the *snapshot*: local tensors, sharded like them),
+and all-reduces the copy in a background thread, over process groups of its own, while the next ``tau`` inner
+steps run; the round is applied at count ``t + tau`` (:class:`DelayedRounds`). A level with ``fragments``
+``F > 1`` splits its tensors into ``F`` fragments, each with its own round at staggered counts
+(:func:`fragment_of`, :meth:`DelayedRounds.plan`). The settings are fields of
+:class:`~hieravg_optim.AveragingConfig`; the semantics, with a worked example, are in ``docs/semantics.md``.
+
+Sources: Streaming DiLoCo (https://arxiv.org/abs/2501.18512: fragments, overlapping, the mixing weight),
+Eager updates (https://arxiv.org/abs/2502.12996: the correction with the local progress), torchft's
+``DiLoCo(fragment_sync_delay=...)``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .agreement import check_agreement
+from .anchors import OuterLevels
+from .averaging import BucketPool, average_tensors_
+from .config import AveragingConfig
+from .faults import named_collective
+from .groups import LevelGroup, build_level_groups, timeout_seconds
+from .metrics import LevelMetrics, bytes_sent
+from .nonfinite import has_nonfinite, skip_nonfinite
+from .replica import replica_any
+from .rounds import _sync_anchors, round_name
+from ._validation import is_int
+from .schedule import fragment_offsets, period_of_key
+from .tensors import local_tensor
+
+__all__ = ["DelayedRounds", "InFlightRound", "split_fragments"]
+
+
+def split_fragments(nbytes: Sequence[int], fragments: int) -> list[range]:
+    """Split tensors of ``nbytes`` bytes each (in order) into ``fragments`` consecutive, non-empty runs of about
+    equal bytes: each boundary is the one nearest to ``j * total / fragments`` that leaves every run a tensor.
+    Pure.
+
+    Raises:
+        ValueError: for more fragments than tensors.
+    """
+    n = len(nbytes)
+    if fragments > n:
+        raise ValueError(
+            f"fragments={fragments} at this level, but its rounds average {n} tensors: fragments are split by whole "
+            f"tensors, so at most {n} fit. Pass fragments={max(n, 1)} or fewer for this level."
+        )
+    cumulative = [0]
+    for b in nbytes:
+        cumulative.append(cumulative[-1] + b)
+    total = cumulative[-1]
+    bounds = [0]
+    for j in range(1, fragments):
+        lo, hi = bounds[-1] + 1, n - (fragments - j)
+        target = j * total / fragments
+        bounds.append(min(range(lo, hi + 1), key=lambda k: (abs(cumulative[k] - target), k)))
+    bounds.append(n)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def fragment_of(count: int, period: int, fragments: int) -> int | None:
+    """The fragment of a level whose round starts at ``count`` (``count % period`` is its offset), or ``None``."""
+    offsets = fragment_offsets(period, fragments)
+    phase = count % period
+    return offsets.index(phase) if phase in offsets else None
+
+
+@dataclass(eq=False)
+class InFlightRound:
+    """One round started and not yet applied, on this rank."""
+
+    level_index: int
+    fragment: int | None
+    """The fragment's index (``None``: the level has one fragment)."""
+    indices: tuple[int, ...]
+    """The positions, in the list of tensors the averager is given, of the round's tensors."""
+    started: int
+    """The count the round started at (its snapshot's count ``t``)."""
+    apply_at: int
+    """The count it is applied at (``t + tau``)."""
+    name: str
+    wire: list[torch.Tensor]
+    """The copies all-reduced: the snapshot, then (after :meth:`wait`) the mean over the group."""
+    snapshot: list[torch.Tensor] | None
+    """This rank's ``theta_t`` (the ``"eager"`` correction), else ``None``."""
+    replaced: bool = False
+    """This rank's replica was non-finite at ``t`` (``nonfinite="skip_replica"``): it takes the mean as is."""
+    divisor: int | None = None
+    payload: int = 0
+    seconds: float = 0.0
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    done: Any = None
+    """A CUDA event recorded after the collective on its side stream, or ``None``."""
+    finished: bool = False
+    """Whether the collective has completed (after :meth:`wait`, or loaded from a checkpoint)."""
+    timeout_s: float | None = None
+    ranks: tuple[int, ...] = field(default=())
+
+    def nbytes(self) -> int:
+        """Bytes this round holds on this rank: its copies (and the snapshot)."""
+        held = self.wire + (self.snapshot or [])
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def wait(self) -> None:
+        """Wait for the collective; re-raise its error, a failed collective as a ``CollectiveError`` naming the round.
+
+        Raises:
+            CollectiveError: (a ``RuntimeError``) for a dead or hung peer, within the group's timeout.
+            WireOverflowError: as the synchronous round (float16 wire).
+        """
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            with named_collective(f"{self.name} (waited for at step {self.apply_at})", self.ranks, timeout_s=self.timeout_s):
+                raise error
+        if self.done is not None:
+            torch.cuda.current_stream(self.wire[0].device).wait_event(self.done)
+            self.done = None
+        self.finished = True
+
+
+class DelayedRounds:
+    """The delayed and fragment rounds of one averager: the plan of each count, the rounds in flight, applying them.
+
+    Built by :class:`~hieravg_optim.HierarchicalAverager` when some level has ``delay_steps > 0`` or ``fragments >
+    1``; the defaults never build it, so their rounds run exactly the synchronous code path.
+
+    .. warning::
+        The constructor is collective over the process group when a level has a delay: it creates that level's
+        background groups (:func:`hieravg_optim.groups.build_level_groups` with ``fresh=True``), which no other
+        collective uses, so the main thread never issues a collective on a group while a round is in flight on it.
+    """
+
+    def __init__(
+        self, config: AveragingConfig, process_group: dist.ProcessGroup, level_groups: Sequence[LevelGroup]
+    ) -> None:
+        n = len(config.levels)
+        self.config = config
+        self.process_group = process_group
+        self.level_groups = list(level_groups)
+        self.delays = config.delay_steps or (0,) * n
+        self.fragments = config.fragments or (1,) * n
+        self.mixing = config.delay_mixing or (0.0,) * n
+        self.corrections = config.delay_correction or ("eager",) * n
+        delayed = [i for i in range(n) if self.delays[i] > 0]
+        built = build_level_groups(config, process_group, levels=[config.levels[i] for i in delayed], fresh=True)
+        self.background: dict[int, LevelGroup] = dict(zip(delayed, built))
+        """Per delayed level, this rank's groups for the background collective (the same ranks, new groups)."""
+        self.pools: dict[int, BucketPool] = {i: BucketPool() for i in delayed}
+        self.in_flight: dict[int, InFlightRound] = {}
+        """The round in flight per level (at most one: the delay is below the fragment spacing)."""
+        self._split: tuple[tuple[int, ...], dict[int, list[range]]] | None = None
+
+    def active(self, level_index: int) -> bool:
+        return self.delays[level_index] > 0 or self.fragments[level_index] > 1
+
+    # -- the plan of one count ----------------------------------------------------------------------------------
+    def fragment_due(self, count: int) -> bool:
+        """Whether a fragment round of a level with fragments (other than its first, which the schedule's level
+        gives) starts at ``count``. Pure."""
+        return any(
+            f > 1 and count % lv.period and fragment_of(count, lv.period, f) is not None
+            for lv, f in zip(self.config.levels, self.fragments)
+        )
+
+    def handles(self, count: int, index: int | None) -> bool:
+        """Whether ``count`` (past the warm-up) needs this class: a round to apply, a fragment round, or a round at a
+        delayed or fragmented level. Otherwise the synchronous path runs, as without these settings."""
+        if count < self.config.warmup_steps:
+            return False
+        if any(r.apply_at == count for r in self.in_flight.values()):
+            return True
+        return (index is not None and self.active(index)) or self.fragment_due(count)
+
+    def first_level(self, count: int) -> list[int]:
+        """The lowest level that starts a round at ``count`` (in a one-element list; empty if none does), from the
+        schedule alone: where a rank's callbacks failed, it meets the others in that round's agreement."""
+        starting = []
+        for li, (lv, f) in enumerate(zip(self.config.levels, self.fragments)):
+            if f == 1 and count % lv.period == 0:
+                starting = [li]  # every lower level is then due for no tensor
+            elif f > 1 and fragment_of(count, lv.period, f) is not None:
+                starting.append(li)
+        return starting[:1]
+
+    def fragments_of(self, tensors: Sequence[torch.Tensor]) -> dict[int, list[range]]:
+        """Per level with fragments, its fragments as runs of positions in ``tensors`` (cached by the sizes)."""
+        key = tuple(local_tensor(t).numel() * t.element_size() for t in tensors)
+        if self._split is None or self._split[0] != key:
+            split = {i: split_fragments(key, f) for i, f in enumerate(self.fragments) if f > 1}
+            self._split = (key, split)
+        return self._split[1]
+
+    def plan(self, count: int, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int | None, tuple[int, ...]]]:
+        """The rounds that start at ``count``: ``(level index, fragment or None, positions)``, in level order.
+
+        Each tensor follows the largest level due for it at ``count``: a level with one fragment at the multiples of
+        its period, a fragment at its own counts (:func:`fragment_of`). Pure, given the tensors' sizes.
+
+        Raises:
+            ValueError: for more fragments than tensors (the same on every rank of a group that agrees on them).
+        """
+        split = self.fragments_of(tensors) if any(f > 1 for f in self.fragments) else {}
+        winners: dict[int, list[int]] = {}
+        frag_of_level: dict[int, int | None] = {}
+        for position in range(len(tensors)):
+            for li in range(len(self.config.levels) - 1, -1, -1):
+                period, f = self.config.levels[li].period, self.fragments[li]
+                if f == 1:
+                    if count % period == 0:
+                        winners.setdefault(li, []).append(position)
+                        frag_of_level[li] = None
+                        break
+                    continue
+                j = fragment_of(count, period, f)
+                if j is not None and position in split[li][j]:
+                    winners.setdefault(li, []).append(position)
+                    frag_of_level[li] = j
+                    break
+        return [(li, frag_of_level[li], tuple(winners[li])) for li in sorted(winners)]
+
+    # -- start -------------------------------------------------------------------------------------------------
+    def start(
+        self,
+        level_index: int,
+        fragment: int | None,
+        indices: tuple[int, ...],
+        tensors: Sequence[torch.Tensor],
+        *,
+        count: int,
+        outers: OuterLevels,
+        metrics: LevelMetrics,
+        pool: BucketPool,
+        replica_group: dist.ProcessGroup | None,
+        replica_ranks: list[int],
+        error: BaseException | None,
+        context: Mapping[str, object] | None,
+    ) -> InFlightRound:
+        """Start the round of ``level_index`` (fragment ``fragment``) over ``tensors[indices]`` at ``count``.
+
+        Synchronously, as the synchronous round: the outer level's local checks, the non-finite check (one read of
+        each tensor) and the replica's vote, the agreement check over the level's group, the non-finite policy, and,
+        at the level's first round after the anchors were taken, the average of the anchors. Then the copies, and
+        the all-reduce of the copies: in a background thread over the level's own groups with a delay, at once
+        otherwise (``delay_steps=0`` with fragments). The live tensors are never written here.
+
+        .. warning::
+            Collective over the level's group.
+        """
+        config, lg = self.config, self.level_groups[level_index]
+        tau = self.delays[level_index]
+        name = round_name(count, lg)
+        if fragment is not None:
+            name = f"{name[:-1]}, fragment {fragment} of {self.fragments[level_index]})"
+        if tau:
+            name = f"{name[:-1]}, delayed {tau} steps)"
+        outer = outers.by_level[level_index]
+        if outer is not None and error is None:
+            error = outers.error(level_index, tensors, count, config.warmup_steps)
+        if outer is not None and outer.anchors is None:
+            outer = None
+        chosen = [tensors[i] for i in indices]
+        begin = time.perf_counter()
+        comm_dtype = config.comm_dtype[level_index] if config.comm_dtype else None
+        eager = self.corrections[level_index] == "eager" and tau > 0
+        replaced, divisor = False, None
+        if lg.group is not None:
+            with torch.no_grad(), named_collective(name, lg.ranks, timeout_s=timeout_seconds(config, lg.group)):
+                unsynced = outer is not None and not outer.synced
+                nonfinite = None
+                if config.nonfinite != "ignore":
+                    try:
+                        local = has_nonfinite([local_tensor(t) for t in chosen]) or (
+                            unsynced and has_nonfinite(outer.anchors)
+                        )
+                    except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
+                        local, error = False, error or exc
+                    with named_collective(
+                        f"the agreement of the replica's ranks on whether it is finite, before {name}",
+                        replica_ranks,
+                        timeout_s=timeout_seconds(config, replica_group),
+                    ):
+                        nonfinite = replica_any(local, replica_group)
+                bad = check_agreement(
+                    chosen,
+                    lg.group,
+                    lg.ranks,
+                    context={
+                        "step count": count,
+                        "bucket_cap_mb": config.bucket_cap_mb,
+                        "fragment (positions)": (fragment, indices),
+                        "delay_steps": tau,
+                        **outers.context(level_index),
+                        **(context or {}),
+                    },
+                    what=f"the parameters to average at step {count} ({name})",
+                    error=error,
+                    nonfinite=nonfinite,
+                )
+                divisor = skip_nonfinite(config, self.process_group, lg, bad, name, anchors=unsynced) if bad else None
+                replaced = dist.get_rank() in bad
+                if unsynced:
+                    metrics.payload_bytes += _sync_anchors(
+                        outer, lg, outers.part(tensors), pool, config, replaced, divisor
+                    )
+        elif error is not None:
+            raise error
+        with torch.no_grad():
+            wire = [local_tensor(t).detach().clone() for t in chosen]
+            snapshot = [w.clone() for w in wire] if eager and not replaced else None
+        bg = self.background.get(level_index, lg)
+        round_ = InFlightRound(
+            level_index=level_index, fragment=fragment, indices=indices, started=count, apply_at=count + tau,
+            name=name, wire=wire, snapshot=snapshot, replaced=replaced, divisor=divisor, ranks=lg.ranks,
+            timeout_s=timeout_seconds(config, lg.group) if lg.group is not None else None,
+        )  # fmt: skip
+        metrics.rounds_started += 1
+        if lg.group is None:
+            round_.finished = True
+        else:
+            kwargs = dict(
+                bucket_cap_bytes=config.bucket_cap_bytes, divisor=divisor, comm_dtype=comm_dtype, node=bg.node,
+                check_wire=config.nonfinite != "ignore", what=name, contribute_zeros=replaced,
+            )  # fmt: skip
+            if tau == 0:
+                with named_collective(name, lg.ranks, timeout_s=round_.timeout_s):
+                    round_.payload = average_tensors_(wire, lg.group, lg.size, pool=pool, **kwargs)
+                round_.finished = True
+            else:
+                self._launch(round_, bg, kwargs)
+        metrics.seconds += time.perf_counter() - begin
+        return round_
+
+    def _launch(self, round_: InFlightRound, bg: LevelGroup, kwargs: dict[str, Any]) -> None:
+        """Run the all-reduce of ``round_.wire`` in a thread over ``bg``'s groups (gloo releases the GIL; on CUDA,
+        on a side stream ordered after the copies, with an event the apply waits for)."""
+        device = round_.wire[0].device if round_.wire else torch.device("cpu")
+        ready = None
+        stream = None
+        if device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+            stream = torch.cuda.Stream(device)
+        pool = self.pools[round_.level_index]
+
+        def run() -> None:
+            begin = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    if stream is not None:
+                        with torch.cuda.stream(stream):
+                            stream.wait_event(ready)
+                            round_.payload = average_tensors_(round_.wire, bg.group, bg.size, pool=pool, **kwargs)
+                            done = torch.cuda.Event()
+                            done.record(stream)
+                            round_.done = done
+                    else:
+                        round_.payload = average_tensors_(round_.wire, bg.group, bg.size, pool=pool, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - re-raised where the round is waited for
+                round_.error = exc
+            round_.seconds = time.perf_counter() - begin
+
+        round_.thread = threading.Thread(target=run, name=f"hieravg {round_.name}", daemon=True)
+        round_.thread.start()
+
+    # -- apply -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def apply(
+        self, round_: InFlightRound, tensors: Sequence[torch.Tensor], *, outers: OuterLevels, metrics: LevelMetrics
+    ) -> None:
+        """Wait for ``round_`` and apply it to ``tensors`` (the live tensors at its apply count), in place. Local,
+        once the collective has completed.
+
+        With ``R`` the mean (or, with an outer optimizer, the anchors after the outer step on ``anchor - R``):
+        ``"eager"`` gives ``R + (theta - snapshot)``, ``"none"`` gives ``R``; then ``delay_mixing`` ``alpha`` gives
+        ``(1 - alpha) * that + alpha * theta``. A replica that was non-finite at the start
+        (``nonfinite="skip_replica"``) takes ``R``.
+
+        Raises:
+            CollectiveError, WireOverflowError: from :meth:`InFlightRound.wait`.
+            RuntimeError: if the tensors at the apply count are not those of the start (their number or shapes).
+        """
+        begin = time.perf_counter()
+        round_.wait()
+        li = round_.level_index
+        if max(round_.indices, default=-1) >= len(tensors):
+            raise RuntimeError(
+                f"{round_.name} is applied at step {round_.apply_at} to {len(tensors)} tensors, but it started with "
+                f"tensor positions up to {max(round_.indices)}: keep the averaged tensors fixed while a round is in flight."
+            )
+        live = [local_tensor(tensors[i]) for i in round_.indices]
+        for i, (t, w) in enumerate(zip(live, round_.wire)):
+            if t.shape != w.shape or t.dtype != w.dtype:
+                raise RuntimeError(
+                    f"{round_.name}: tensor {round_.indices[i]} has shape {tuple(t.shape)} ({t.dtype}) at step "
+                    f"{round_.apply_at}, but {tuple(w.shape)} ({w.dtype}) when the round started: keep the averaged "
+                    "tensors fixed while a round is in flight."
+                )
+        result = round_.wire
+        outer = outers.by_level[li]
+        if outer is not None and outer.anchors is not None:
+            n_anchored = len(tensors) - outers.skip_last
+            stepped = [k for k, i in enumerate(round_.indices) if i < n_anchored]
+            if stepped:
+                outer.step([result[k] for k in stepped], [round_.indices[k] for k in stepped])
+                metrics.pseudo_grad_norm = outer.pseudo_grad_norm
+        alpha = self.mixing[li]
+        eager = round_.snapshot is not None
+        for k, (t, r) in enumerate(zip(live, result)):
+            if round_.replaced or (not eager and alpha == 0.0):
+                t.copy_(r.to(t.device))
+                continue
+            compute = torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else t.dtype
+            value = r.to(device=t.device, dtype=compute)
+            if eager:
+                value = value + (t.to(compute) - round_.snapshot[k].to(device=t.device, dtype=compute))
+            if alpha:
+                value = (1.0 - alpha) * value + alpha * t.to(compute)
+            t.copy_(value)
+        if self.fragments[li] == 1 and len(round_.indices) == len(tensors):
+            outers.reset_lower(li, tensors)
+            if eager or alpha:  # the replicas kept their own progress: the lower anchors differ across them
+                for o in outers.by_level[:li]:
+                    if o is not None and o.anchors is not None:
+                        o.synced = False
+        metrics.rounds += 1
+        metrics.rounds_applied += 1
+        metrics.payload_bytes += round_.payload
+        metrics.bytes_sent += bytes_sent(round_.payload, self.level_groups[li])
+        metrics.seconds += time.perf_counter() - begin
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[int, dict[str, Any]]:
+        """The rounds in flight, each waited for first (its collective completes; no tensor changes): per period
+        ``{"fragment", "positions", "started", "apply_at", "result", "snapshot", "replaced", "payload"}``,
+        ``result`` this rank's copies all-reduced (the mean over the group) and ``snapshot`` its ``theta_t`` (or
+        ``None``), the tensors themselves, sharded like the averaged tensors. Empty when none is in flight.
+
+        Raises:
+            CollectiveError: if a round's collective failed (see :meth:`InFlightRound.wait`).
+        """
+        out = {}
+        for li, r in sorted(self.in_flight.items()):
+            r.wait()
+            out[self.config.levels[li].period] = {
+                "fragment": r.fragment, "positions": list(r.indices), "started": r.started, "apply_at": r.apply_at,
+                "result": r.wire, "snapshot": r.snapshot, "replaced": r.replaced, "payload": r.payload,
+            }  # fmt: skip
+        return out
+
+    def check_state(self, saved: object, step: int) -> dict[int, InFlightRound]:
+        """The rounds of a saved ``"in_flight"`` entry, checked against the levels and ``step`` (the saved count);
+        changes nothing. Local.
+
+        Raises:
+            ValueError: naming the period, for a malformed entry, a period without a delay here, or an apply count
+                that is not in ``(step - 1, started + delay_steps]``.
+        """
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"The 'in_flight' entry of the averaging state dict must be a mapping, got {type(saved).__name__}.")
+        periods = [lv.period for lv in self.config.levels]
+        rounds = {}
+        for key, entry in saved.items():
+            period = period_of_key(key)
+            where = f"The round in flight of period {key!r} in the averaging state dict"
+            if period not in periods or not self.delays[periods.index(period)]:
+                raise ValueError(
+                    f"{where} cannot be resumed: this averager has no delay_steps at that period (delay_steps="
+                    f"{self.config.delay_steps}). Resume with the saved run's delay_steps and fragments."
+                )
+            li = periods.index(period)
+            keys = {"fragment", "positions", "started", "apply_at", "result", "snapshot", "replaced"}
+            if not isinstance(entry, Mapping) or not keys <= set(entry):
+                raise ValueError(f"{where} must be a mapping with the keys {sorted(keys)}, as state_dict() saves it.")
+            result, snapshot = entry["result"], entry["snapshot"]
+            tensors_ok = isinstance(result, (list, tuple)) and all(torch.is_tensor(t) for t in result)
+            if snapshot is not None:
+                tensors_ok = tensors_ok and isinstance(snapshot, (list, tuple)) and len(snapshot) == len(result) and all(
+                    torch.is_tensor(t) and t.shape == w.shape for t, w in zip(snapshot, result)
+                )
+            positions = entry["positions"]
+            if not tensors_ok or not isinstance(positions, (list, tuple)) or len(positions) != len(result):
+                raise ValueError(f"{where}: 'result', 'snapshot' and 'positions' must be lists of tensors (and ints) of one length.")
+            started, apply_at = entry["started"], entry["apply_at"]
+            if not (is_int(started) and is_int(apply_at) and started < step <= apply_at == started + self.delays[li]):
+                raise ValueError(
+                    f"{where} started at count {started!r} and is applied at {apply_at!r}, which does not fit the saved "
+                    f"count {step} and delay_steps={self.delays[li]} here: resume with the saved run's settings."
+                )
+            rounds[li] = InFlightRound(
+                level_index=li, fragment=entry["fragment"], indices=tuple(int(i) for i in positions), started=started,
+                apply_at=apply_at, name=f"{round_name(started, self.level_groups[li])[:-1]}, delayed, resumed)",
+                wire=list(result), snapshot=None if snapshot is None else list(snapshot),
+                replaced=bool(entry["replaced"]), payload=int(entry.get("payload", 0)), finished=True,
+                ranks=self.level_groups[li].ranks,
+            )  # fmt: skip
+        return rounds
+
+    def load_state(self, rounds: dict[int, InFlightRound]) -> None:
+        """Replace the rounds in flight by ``rounds`` (:meth:`check_state`'s output); a current round is waited for
+        and dropped."""
+        self.wait_all()
+        self.in_flight = dict(rounds)
+
+    def held_bytes(self, level_index: int) -> int:
+        """Bytes held on this rank for the level's round in flight (0 when none is)."""
+        r = self.in_flight.get(level_index)
+        return 0 if r is None else r.nbytes()
+
+    def wait_all(self) -> None:
+        """Wait for every round in flight (its collective), without applying it."""
+        for r in self.in_flight.values():
+            r.wait()

@@ -1,0 +1,120 @@
+"""Delayed rounds on real DeepSpeed engines (CPU accelerator, gloo, 4 ranks as 2 replicas of 2), ZeRO 0-3.
+
+The section averages every 4 steps with ``delay_steps`` 2 after a local warm-up of 1 step: the round starts at
+count 4 and is applied at count 6. The fp32 master weights are gathered (DeepSpeed's own accessors) right before
+the round starts (``theta_4`` per replica) and right before it is applied (``theta_6``); after the step at count
+6 every rank's masters equal exactly ``(theta_4[replica 0] + theta_4[replica 1]) / 2 + (theta_6 - theta_4)`` of
+its replica, computed in float32 in that order, and the module holds them rounded to its dtype. A checkpoint
+saved with the round in flight (after count 5) resumes to the uninterrupted run, bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import default_timeout, run_distributed
+from tests.test_deepspeed import S, WORLD, _client_optimizer, _config, _dtype, _full_masters, _full_module, _gather
+from tests.test_deepspeed import _micro_step, _model, _two_groups
+
+deepspeed = pytest.importorskip("deepspeed")
+
+pytestmark = pytest.mark.timeout(default_timeout(600))
+
+CASES = [("zero0_fp32", 0, "fp32"), ("zero1_bf16", 1, "bf16"), ("zero2_fp32", 2, "fp32"), ("zero3_bf16", 3, "bf16"),
+         ("zero3_fp32", 3, "fp32")]  # fmt: skip
+SECTION = {"period_group_size": {"4": WORLD}, "warmup_steps": 1, "ranks_per_replica": S, "synchronous_warmup": False,
+           "delay_steps": 2}  # fmt: skip
+
+
+def _applied_case(rank, name, stage, prec):
+    import hieravg_optim.deepspeed as hds
+
+    model = _model()
+    engine, _, _, _ = hds.initialize(model=model, optimizer=_client_optimizer(model), config=_config(stage, prec, 1, SECTION))
+    state = hds.get_averaging(engine)
+    delayed = state.averager._delayed
+    captured = {}
+    original_start, original_apply = delayed.start, delayed.apply
+
+    def start(*args, **kwargs):
+        captured["start"] = _full_masters(engine)
+        return original_start(*args, **kwargs)
+
+    def apply(*args, **kwargs):
+        captured["apply"] = _full_masters(engine)
+        return original_apply(*args, **kwargs)
+
+    delayed.start, delayed.apply = start, apply
+    held = []
+    for step in range(7):  # counts 0 .. 6: the round starts at 4, lands at 6
+        _micro_step(engine, rank, step)
+        held.append(state.metrics()[4]["bytes_in_flight"])
+    snap = _gather(captured["start"])
+    live = _gather(captured["apply"])
+    k = rank // S
+    expected = [(a + b) / 2 + (c - d) for a, b, c, d in zip(snap[0], snap[S], live[k * S], snap[k * S])]
+    masters, module = _full_masters(engine), _full_module(engine)
+    metrics = state.metrics()[4]
+    return {
+        "masters_exact": all(m.equal(e) for m, e in zip(masters, expected)),
+        "module_in_dtype": all(a.equal(m.to(_dtype(engine)).float()) for a, m in zip(module, masters)),
+        "replicas_differed": any(not a.equal(b) for a, b in zip(snap[0], snap[S])),
+        "progress_kept": any(not a.equal(b) for a, b in zip(live[k * S], snap[k * S])),
+        "held": [h > 0 for h in held],
+        "started_applied": (metrics["rounds_started"], metrics["rounds_applied"], metrics["rounds"]),
+    }
+
+
+def _resume_case(rank, name, stage, prec, folder):
+    import hieravg_optim.deepspeed as hds
+
+    def build():
+        model = _model()
+        return hds.initialize(model=model, model_parameters=_two_groups(model),
+                              config=_config(stage, prec, 1, SECTION, optimizer_section=True))[0]  # fmt: skip
+
+    engine = build()
+    for step in range(5):
+        _micro_step(engine, rank, step)
+    assert hds.get_averaging(engine).averager._delayed.in_flight  # the round of count 4, applied at 6
+    engine.save_checkpoint(folder, tag="t5")
+    for step in range(5, 8):
+        _micro_step(engine, rank, step)
+    uninterrupted = _full_module(engine)
+    resumed = build()
+    resumed.load_checkpoint(folder)
+    in_flight = list(hds.get_averaging(resumed).averager._delayed.in_flight)
+    for step in range(5, 8):
+        _micro_step(resumed, rank, step)
+    after = _full_module(resumed)
+    return {"equal": all(a.equal(b) for a, b in zip(uninterrupted, after)), "in_flight_loaded": in_flight}
+
+
+def _all(rank, world, folder):
+    import os
+
+    out = {name: _applied_case(rank, name, stage, prec) for name, stage, prec in CASES}
+    for name, stage, prec in (CASES[2], CASES[3]):
+        out["resume_" + name] = _resume_case(rank, name, stage, prec, os.path.join(folder, name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_distributed(_all, WORLD, str(tmp_path_factory.mktemp("ckpt")), timeout=540)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_delayed_round_applies_the_eager_formula_to_the_masters(results, case):
+    for r in results:
+        got = r[case]
+        assert got["replicas_differed"] and got["progress_kept"]
+        assert got["masters_exact"] and got["module_in_dtype"], got
+        assert got["held"] == [False] * 4 + [True, True, False]  # in flight after counts 4 and 5
+        assert got["started_applied"] == (1, 1, 1)
+
+
+@pytest.mark.parametrize("case", ["zero2_fp32", "zero3_bf16"])
+def test_deepspeed_resume_with_a_round_in_flight(results, case):
+    for r in results:
+        assert r["resume_" + case] == {"equal": True, "in_flight_loaded": [0]}

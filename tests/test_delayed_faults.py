@@ -1,0 +1,135 @@
+"""Faults during a delayed round (4 gloo ranks, ``{4: 4}``, ``delay_steps`` 2): a peer killed (SIGKILL) or stopped
+(SIGSTOP) while the round is in flight, and a non-finite replica at its start under each ``nonfinite`` policy.
+
+The victim injects its fault from the background collective of the round started at count 4 (its peers are then
+all-reducing in theirs, or already stepping on). Every survivor raises where the round is waited for, at count
+6: a ``CollectiveError`` naming the round, its delay and the count it was waited for at, within
+``collective_timeout_s`` (plus a bound) after the fault.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+import torch
+
+from tests.harness import _child, default_timeout, run_distributed, wait_for_survivors
+
+WORLD = 4
+BOUND_S = 10.0
+pytestmark = pytest.mark.timeout(default_timeout(240))
+
+
+def _until_fault(rank, world_size, victim, fault, timeout_s, out):
+    from hieravg_optim import AveragingConfig, HierarchicalAverager
+    from hieravg_optim import delayed as delayed_module
+
+    averager = HierarchicalAverager(AveragingConfig.create({4: WORLD}, delay_steps=2, collective_timeout_s=timeout_s))
+    tensors = [torch.full((1000,), float(rank))]
+    if rank == victim:
+        original = delayed_module.average_tensors_
+
+        def faulty(*args, **kwargs):
+            if averager.step == 4:  # in the background thread of the round started at count 4
+                with open(os.path.join(out, "fault.json"), "w") as f:
+                    json.dump({"t": time.monotonic()}, f)
+                os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            return original(*args, **kwargs)
+
+        delayed_module.average_tensors_ = faulty
+    try:
+        for _ in range(12):
+            averager.step_and_average(lambda: tensors)
+    except RuntimeError as exc:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"t": time.monotonic(), "message": str(exc), "type": type(exc).__name__, "step": averager.step}, f)
+        raise
+    raise AssertionError(f"rank {rank} finished 12 steps without noticing the fault")
+
+
+def _run_fault(fault, victim, timeout_s):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="hieravg-delayed-faults-") as tmp:
+        args = (victim, fault, timeout_s, tmp)
+        procs = [
+            ctx.Process(target=_child, args=(_until_fault, r, WORLD, os.path.join(tmp, "rendezvous"), args, results,
+                                             60.0, {}), daemon=True)  # fmt: skip
+            for r in range(WORLD)
+        ]
+        for p in procs:
+            p.start()
+        survivors = [r for r in range(WORLD) if r != victim]
+        deadline = time.monotonic() + default_timeout(60.0) + timeout_s + BOUND_S
+        try:
+            hung = wait_for_survivors(procs, survivors, deadline)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5.0)
+        assert not hung, f"ranks {hung} hang after the {fault}"
+        with open(os.path.join(tmp, "fault.json")) as f:
+            fault_t = json.load(f)["t"]
+        seen = {}
+        for r in survivors:
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                seen[r] = json.load(f)
+            seen[r]["delay"] = seen[r]["t"] - fault_t
+            seen[r]["exitcode"] = procs[r].exitcode
+        return seen
+
+
+@pytest.mark.parametrize("fault, timeout_s", [("kill", 5.0), ("stop", 4.0)])
+def test_a_peer_lost_during_a_round_in_flight_is_named_where_it_is_waited_for(fault, timeout_s):
+    seen = _run_fault(fault, victim=2, timeout_s=timeout_s)
+    print("delays after the fault, s:", {r: round(s["delay"], 2) for r, s in seen.items()})
+    for r, s in seen.items():
+        assert s["exitcode"] == 1 and s["type"] == "CollectiveError", (r, s)
+        assert "the averaging round at step 4 (period 4, group size 4, delayed 2 steps) (waited for at step 6)" in (
+            s["message"]
+        ), s["message"]
+        assert "in the group of ranks [0, 1, 2, 3]" in s["message"] and "dead or hung peer" in s["message"]
+        assert s["step"] == 6, s  # raised in the step at count 6, before the count advanced
+        assert s["delay"] <= timeout_s + BOUND_S, s
+
+
+def _nonfinite(rank, world_size):
+    from hieravg_optim import AveragingConfig, HierarchicalAverager
+
+    out = {}
+    for policy in ("raise", "skip_replica"):
+        averager = HierarchicalAverager(AveragingConfig.create({4: world_size}, delay_steps=2, nonfinite=policy))
+        tensors = [torch.full((6,), 3.0 * rank)]  # the finite replicas' mean (0 + 6 + 9) / 3 = 5 is exact
+        if rank == 1:
+            tensors[0][2] = float("nan")
+        try:
+            averager.step_and_average(lambda: tensors)  # count 0: the round's start checks and agrees
+            out[policy] = "started"
+        except RuntimeError as exc:
+            out[policy] = str(exc)
+            continue
+        if rank == 1:
+            tensors[0].fill_(100.0)  # the replaced replica's later progress is not kept
+        for _ in range(2):
+            with torch.no_grad():
+                tensors[0] += 1.0
+            averager.step_and_average(lambda: tensors)
+        finite = [r for r in range(world_size) if r != 1]
+        mean = sum(3.0 * r for r in finite) / len(finite)
+        expected = torch.full((6,), mean) if rank == 1 else torch.full((6,), mean + 2.0)
+        out[policy] = torch.equal(tensors[0], expected) and averager.replaced_at_step == (2 if rank == 1 else None)
+    return out
+
+
+def test_nonfinite_policies_at_the_start_of_a_delayed_round():
+    results = run_distributed(_nonfinite, WORLD, timeout=120)
+    for r in results:
+        assert "Non-finite values" in r["raise"] and "rank [1] (replica [1])" in r["raise"], r
+        assert r["skip_replica"] is True, r
