@@ -322,6 +322,12 @@ def _chars_rank(rank: int, world_size: int, runs, steps: int, batch: int, contex
             row["top"] = top
         strict = not {"delay_steps", "fragments"} & set(top)
         metrics = _count_rounds(row, opt, levels, steps, name, strict)
+        if top.get("delay_steps") and hasattr(getattr(opt, "averager", None), "apply_rounds_in_flight"):
+            # The end of training: the rounds still in flight (the last top-level round's) applied now, as at
+            # their apply count, the local progress being the steps since they started; then evaluated again.
+            row["rounds_applied_at_end"] = opt.averager.apply_rounds_in_flight(opt.tensors_to_average())
+            if row["rounds_applied_at_end"]:
+                row["val_loss_in_flight_applied"] = evaluate(model)
         if metrics is not None:
             assert level_at(steps - 1, levels, 0) == len(levels) - 1, "the run must end on a top-level round"
             row["pseudo_grad_norm_last_round"] = {str(p): metrics[p].get("pseudo_grad_norm") for p in levels}
@@ -516,7 +522,9 @@ def _sweep_checks(rows) -> dict:
     ``bytes_sent`` (what the collective sends per rank: 2 (n - 1) / n x the payload for a ring all-reduce,
     (n - 1) x for an all-gather) / the baseline's; for a compressed level its ``compression_ratio`` (bytes sent
     compressed / by an fp32 all-reduce) and the payload of a compressed round / its fp32 tensors. A target is
-    met when the loss ratio and (compressed) the payload ratio per compressed round are at most the target's.
+    met when the loss ratio and (compressed) the payload ratio per compressed round are at most the target's. A
+    delayed run that applied its rounds in flight after the last step (``apply_rounds_in_flight``) has its loss
+    then checked too, as a target row of its own.
     """
     base = {_baseline_key(r): r for r in rows if not r.get("top") and "bytes_sent_per_level" in r}
     out: dict = {"rows": [], "targets": []}
@@ -538,6 +546,8 @@ def _sweep_checks(rows) -> dict:
                  "payload_over_baseline": payload / base_payload if payload is not None and base_payload else None,
                  "compression_ratio": m.get("compression_ratio"), "payload_over_fp32_compressed_rounds": codec_ratio,
                  "bytes_over_baseline": r["bytes_sent_per_level"][top] / b["bytes_sent_per_level"][top]}  # fmt: skip
+        if "val_loss_in_flight_applied" in r:
+            ratio["applied_loss_over_baseline"] = r["val_loss_in_flight_applied"] / b["final_val_loss"]
         out["rows"].append(ratio)
         for issue, settings, label, max_loss, max_bytes in SWEEP_TARGETS:
             if json.dumps(r["top"], sort_keys=True) != json.dumps(settings, sort_keys=True):
@@ -546,6 +556,11 @@ def _sweep_checks(rows) -> dict:
             loss = ratio["loss_over_baseline"]
             out["targets"].append({"issue": issue, "label": tag, "what": "final validation loss / baseline",
                                    "value": loss, "target": f"<= {max_loss:g}", "met": loss <= max_loss})  # fmt: skip
+            if "applied_loss_over_baseline" in ratio:
+                loss = ratio["applied_loss_over_baseline"]
+                out["targets"].append({"issue": issue, "label": tag, "value": loss, "target": f"<= {max_loss:g}",
+                                       "what": "final validation loss, the round in flight applied at the end, / "
+                                       "baseline", "met": loss <= max_loss})  # fmt: skip
             if max_bytes is not None:
                 nb = ratio["payload_over_fp32_compressed_rounds"]
                 out["targets"].append({"issue": issue, "label": tag, "what": "payload / fp32, per compressed round",

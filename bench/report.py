@@ -213,15 +213,18 @@ def convergence_sweep(d) -> str:
     ratios = {(r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"], json.dumps(r["top"], sort_keys=True)): r
               for r in sweep["rows"]}  # fmt: skip
     w("| contender | inner lr | outer lr / momentum | top-level settings | rounds per level (`metrics()`) | "
-      "validation loss | / baseline | / baseline, last 4 evaluations | top-level payload MB per rank | / baseline | top-level MB sent per rank | "
+      "validation loss | / baseline | / baseline, last 4 evaluations | the round in flight applied at the end: "
+      "validation loss / baseline | top-level payload MB per rank | / baseline | top-level MB sent per rank | "
       "/ baseline | `compression_ratio` | payload / fp32, per compressed round | started (UTC) | load average | s | "
       "hieravg_optim |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in d["rows"]:
         top = r.get("top", {})
         key = (r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"], json.dumps(top, sort_keys=True))
         ratio = ratios.get(key)
         loss_ratio = f"{ratio['loss_over_baseline']:.4f}" if ratio else "-"
+        applied = (f"{r['val_loss_in_flight_applied']:.4f} / {ratio['applied_loss_over_baseline']:.4f}"
+                   if ratio and "applied_loss_over_baseline" in ratio else "-")
         last4 = f"{ratio['loss_over_baseline_last4']:.4f}" if ratio and ratio["loss_over_baseline_last4"] else "-"
         bytes_ratio = f"{ratio['bytes_over_baseline']:.4f}" if ratio else "-"
         payload_ratio = f"{ratio['payload_over_baseline']:.4f}" if ratio and ratio["payload_over_baseline"] else "-"
@@ -236,7 +239,7 @@ def convergence_sweep(d) -> str:
         top_sent = _mb(sent[str(max(int(p) for p in sent))]) if sent else "-"
         label = "`" + json.dumps(top) + "`" if top else "- (baseline)"
         load = r.get("environment_load_average", ["?"])[0]
-        w(f"| {r['contender']} | {r['lr']:g} | {outer} | {label} | {rpl} | {r['final_val_loss']:.4f} | {loss_ratio} | {last4} | "
+        w(f"| {r['contender']} | {r['lr']:g} | {outer} | {label} | {rpl} | {r['final_val_loss']:.4f} | {loss_ratio} | {last4} | {applied} | "
           f"{top_payload} | {payload_ratio} | {top_sent} | {bytes_ratio} | {codec} | "
           f"{r['utc_start'].replace('T', ' ').rstrip('Z') if 'utc_start' in r else '-'} | {load} | {r['seconds']:.0f} | "
           f"{(r.get('hieravg_optim') or {}).get('revision') or '-'} |")
