@@ -291,12 +291,25 @@ def cross_node_round_s(r) -> float | None:
     return top["seconds"] / top["rounds"] if top["rounds"] else None
 
 
+def compressed_round_s(r) -> float | None:
+    """Seconds of a cross-node round after the first, from the step times: at each count ``c >= period`` with
+    ``c % period == 0`` (a compressed level's first round, at count 0, is uncompressed: its anchors are taken
+    then), the step's time above the median step, averaged over those counts."""
+    if not r.get("levels"):
+        return None
+    period = max(int(p) for p in r["levels"])
+    steps = r["seconds_per_step"]
+    extra = [steps[c] - r["seconds_per_step_median"] for c in range(period, len(steps), period)]
+    return sum(extra) / len(extra) if extra else None
+
+
 def multinode_checks(runs) -> list[dict]:
     """The issue-24 and issue-25 targets of each feature mode against its baseline in the same run, computed.
 
     Issue 24 (delay, fragments, against ``hier``): the slowest step at most 1.5x the median step; the mean
     seconds per step at least 1.25x better; the final training loss within 1%. Issue 25 (compressed, against
-    ``hier_node``): a cross-node round at least 3x shorter; the final training loss within 1%.
+    ``hier_node``): a cross-node round at least 3x shorter (:func:`compressed_round_s`: the rounds after the
+    first, which is uncompressed); the final training loss within 1%.
     """
     checks = []
     for mode, (base_mode, issue) in MULTINODE_TARGETS.items():
@@ -315,9 +328,10 @@ def multinode_checks(runs) -> list[dict]:
             speed = base["seconds_per_step_mean"] / r["seconds_per_step_mean"]
             check(f"mean s/step, {base_mode} / {mode}", speed, ">= 1.25", speed >= 1.25)
         else:
-            base_s, s = cross_node_round_s(base), cross_node_round_s(r)
-            ratio = base_s / s if base_s and s else float("nan")
-            check(f"cross-node round s, {base_mode} / {mode}", ratio, ">= 3", ratio >= 3)
+            base_s, s = compressed_round_s(base), compressed_round_s(r)
+            ratio = base_s / s if base_s and s and s > 0 else float("nan")
+            check(f"cross-node round after the first (its step above the median step) s, {base_mode} / {mode}",
+                  ratio, ">= 3", ratio >= 3)
         check(f"final loss, {mode} / {base_mode}", loss_ratio, "within 1%", abs(loss_ratio - 1) <= 0.01)
     return checks
 
@@ -333,10 +347,14 @@ def multinode_modes(d) -> str:
       f"parameters ({_mb(first['model_bytes'])} MB), {first['steps']} steps, batch {first['batch_per_rank']} per rank; "
       f"measured {env['utc']} (end), load average at start {env['load_average_at_start']}.\n")
     w("| mode | levels | cross-node settings | s/step mean | median | slowest | slowest / median | "
-      "s in a cross-node round (`metrics()`: seconds / rounds) | MB sent per rank, cross-node level | final training loss | test accuracy % |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|")
+      "s in a cross-node round (`metrics()`: seconds / rounds) | steps at the cross-node counts, s | "
+      "MB sent per rank, cross-node level | final training loss | test accuracy % |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, r in runs.items():
         lv = "gradient all-reduce every step" if not r["levels"] else "`" + json.dumps(r["levels"]) + "`"
+        period = max(int(p) for p in r["levels"]) if r["levels"] else None
+        at_rounds = (", ".join(f"{c}: {r['seconds_per_step'][c]:.2f}" for c in range(0, len(r["seconds_per_step"]), period))
+                     if period else "-")  # fmt: skip
         settings = dict(r.get("cross_node_settings") or {})
         if r.get("ranks_per_node_setting"):
             settings = {"ranks_per_node": r["ranks_per_node_setting"], **settings}
@@ -347,7 +365,7 @@ def multinode_modes(d) -> str:
         sent = _mb(metrics[max(metrics, key=int)]["bytes_sent"]) if metrics else "-"
         w(f"| {mode} | {lv} | {st} | {r['seconds_per_step_mean']:.3f} | {r['seconds_per_step_median']:.3f} | "
           f"{max(steps):.3f} | {max(steps) / r['seconds_per_step_median']:.2f} | "
-          f"{'-' if round_s is None else f'{round_s:.2f}'} | {sent} | {r['final_train_loss_avg_model']:.4f} | "
+          f"{'-' if round_s is None else f'{round_s:.2f}'} | {at_rounds} | {sent} | {r['final_train_loss_avg_model']:.4f} | "
           f"{100 * r['final_test_accuracy_avg_model']:.2f} |")
     checks = multinode_checks(runs)
     if checks:
