@@ -66,6 +66,10 @@ class OuterLevel:
         """Whether the anchors are known to be equal on every rank of the level's group (after a round)."""
         self.pseudo_grad_norm: float | None = None
         """L2 norm of this rank's pseudo-gradient at the level's last round (``None`` before the first)."""
+        self.residuals: list[torch.Tensor] | None = None
+        """A compressed level's error-feedback residuals on this rank (fp32, with the anchors; ``compress``):
+        shaped like the anchors, or one flat tensor of the node's shard (node-aware); ``None`` before its first
+        compressed round, after :meth:`take`, or without error feedback."""
 
     # -- anchors -----------------------------------------------------------------------------------
     def take(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -79,12 +83,14 @@ class OuterLevel:
         ]
         optimizer = build_outer_optimizer(self.period, self.group_size, self.factory, anchors)
         self.anchors, self.optimizer, self.synced = anchors, optimizer, False
+        self.residuals = None
 
     @torch.no_grad()
     def reset(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy ``tensors`` (a higher level's result, equal on every rank of this level's group) into the anchors.
 
-        The outer optimizer's state (momentum) is kept, as in HALoS.
+        The outer optimizer's state (momentum) is kept, as in HALoS, and so are error-feedback residuals: what
+        this level's rounds left unsent is in no tensor (a compressed round gives the tensors the decoded mean).
         """
         assert self.anchors is not None and len(tensors) == len(self.anchors)
         for a, t in zip(self.anchors, tensors):
@@ -114,11 +120,20 @@ class OuterLevel:
         """
         assert self.anchors is not None and self.optimizer is not None
         anchors = self.anchors if indices is None else [self.anchors[i] for i in indices]
-        grads = []
-        for a, t in zip(anchors, tensors):
-            g = a - t.to(device=a.device, dtype=torch.float32)
+        grads = [a - t.to(device=a.device, dtype=torch.float32) for a, t in zip(anchors, tensors)]
+        self.step_with(grads, tensors, indices)
+
+    @torch.no_grad()
+    def step_with(
+        self, grads: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], indices: Sequence[int] | None = None
+    ) -> None:
+        """One outer step on the anchors with the pseudo-gradients ``grads`` (fp32, shaped like the anchors, on
+        their devices; e.g. a compressed round's mean of decoded deltas); copy the anchors into ``tensors``.
+        With ``indices`` (a fragment's round), ``grads`` and ``tensors`` are those of the anchors at those indices."""
+        assert self.anchors is not None and self.optimizer is not None
+        anchors = self.anchors if indices is None else [self.anchors[i] for i in indices]
+        for a, g in zip(anchors, grads):
             a.grad = g
-            grads.append(g)
         # One host transfer per device, not one per tensor.
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:
@@ -140,12 +155,17 @@ class OuterLevel:
         if self.anchors is None:
             return 0
         state = self.optimizer.state if self.optimizer is not None else {}
-        return _tensor_bytes(self.anchors) + sum(_tensor_bytes(s) for s in state.values())
+        held = _tensor_bytes(self.anchors) + _tensor_bytes(self.residuals or [])
+        return held + sum(_tensor_bytes(s) for s in state.values())
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"anchors": [Tensor, ...], "optimizer": outer_optimizer.state_dict(), "synced": bool}``."""
+        """``{"anchors": [Tensor, ...], "optimizer": outer_optimizer.state_dict(), "synced": bool}``, and
+        ``"residuals": [Tensor, ...]`` when the level keeps error-feedback residuals (``compress``)."""
         assert self.anchors is not None and self.optimizer is not None
-        return {"anchors": list(self.anchors), "optimizer": self.optimizer.state_dict(), "synced": self.synced}
+        state = {"anchors": list(self.anchors), "optimizer": self.optimizer.state_dict(), "synced": self.synced}
+        if self.residuals is not None:
+            state["residuals"] = list(self.residuals)
+        return state
 
     @torch.no_grad()
     def load(
@@ -153,6 +173,7 @@ class OuterLevel:
         anchors: list[torch.Tensor],
         optimizer_state: Mapping[str, Any],
         synced: bool,
+        residuals: list[torch.Tensor] | None = None,
         tensors: Sequence[torch.Tensor] | None = None,
     ) -> None:
         """Restore :meth:`check_state`'s output: into the current anchors and outer optimizer if any (the same
@@ -166,10 +187,14 @@ class OuterLevel:
             mine.copy_(saved)
         self.optimizer.load_state_dict(optimizer_state)
         self.synced = synced
+        self.residuals = None
+        if residuals is not None:
+            device = self.anchors[0].device if self.anchors else None
+            self.residuals = [r.detach().to(device=device or r.device, dtype=torch.float32, copy=True) for r in residuals]
 
     def drop(self) -> None:
-        """Forget the anchors and the outer optimizer (they are taken again with :meth:`take`)."""
-        self.anchors, self.optimizer, self.synced = None, None, False
+        """Forget the anchors, the outer optimizer and any residuals (taken again with :meth:`take`)."""
+        self.anchors, self.optimizer, self.synced, self.residuals = None, None, False, None
 
 
 class OuterLevels:

@@ -139,7 +139,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
                 error = exc
             agree_across_ranks("the averaging config", config.agreement_value(), self.process_group, error=error)
         self.config = config
-        factories, device = config.outer_optimizers, config.outer_state_device
+        factories, device = config.outer_factories, config.outer_state_device
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)
         self.timed_process_group: dist.ProcessGroup = timed_process_group(config, self.process_group, self.level_groups)
         """The ranks of :attr:`process_group` with the averaging's timeout (``collective_timeout_s``): the group

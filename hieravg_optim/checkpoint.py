@@ -172,7 +172,8 @@ def warn_schedule_changes(state: Mapping[str, Any], step: int, config: Averaging
 def check_level_state(
     outer: OuterLevel, state: object, tensors: Sequence[torch.Tensor] | None = None
 ) -> tuple[list[torch.Tensor], Mapping[str, Any], bool]:
-    """Validate the saved state of ``outer``'s level: ``(anchors, optimizer state dict, synced)``. Changes nothing.
+    """Validate the saved state of ``outer``'s level: ``(anchors, optimizer state dict, synced, residuals)``
+    (``residuals``: ``None`` when the level kept none). Changes nothing.
 
     Raises:
         ValueError: naming the period and the mismatch, for a malformed entry, anchors that are not
@@ -223,7 +224,16 @@ def check_level_state(
                     f"{tuple(mine.shape)}: load the checkpoint of the same model and sharding."
                 )
     _check_loadable(outer, where, anchors, state["optimizer"])
-    return list(anchors), state["optimizer"], bool(state.get("synced", True))
+    residuals = state.get("residuals")
+    if residuals is not None and (
+        not isinstance(residuals, (list, tuple))
+        or not all(torch.is_tensor(r) and r.dtype == torch.float32 for r in residuals)
+    ):
+        raise ValueError(
+            f"{where}: 'residuals' must be a list of float32 tensors (the error-feedback residuals of a compressed "
+            "level), as HierarchicalAverager.state_dict() saves them: load a checkpoint this library saved, unchanged."
+        )
+    return list(anchors), state["optimizer"], bool(state.get("synced", True)), None if residuals is None else list(residuals)
 
 
 def _check_loadable(

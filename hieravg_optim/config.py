@@ -32,8 +32,10 @@ from ._validation import (
     warn_at_caller,
 )
 from .comm_dtype import COMM_DTYPES, CommDtype, parse_comm_dtype
+from .compression.codecs import Codec
+from .compression.settings import CompressSpec, check_compress, check_ef_decay, parse_compress, parse_ef_decay
 from .delay_settings import PerLevel, check_delay_settings, parse_delay_setting
-from .outer import OuterFactory, check_outer_optimizers, check_outer_state_device, probe_factory
+from .outer import PLAIN_OUTER, OuterFactory, check_outer_optimizers, check_outer_state_device, probe_factory
 from .schedule import AveragingLevel, parse_levels
 
 __all__ = [
@@ -280,6 +282,33 @@ class AveragingConfig:
     ``backup_device``); ``None`` (default): each tensor's own device. Memory per outer level: one fp32 copy
     of the averaged tensors, plus the outer optimizer's state (Nesterov SGD: one more)."""
 
+    compress: tuple[Codec | None, ...] = ()
+    """The codec of each level's rounds, in level order; ``()`` (default): no level is compressed, every round
+    runs as without this setting.
+
+    Given as one spec or ``{period: spec}``; a spec is ``None``, ``"int8"`` (blockwise absmax, one fp32 scale
+    per block of 256), ``{"type": "int8", "block": 256}``, or ``{"type": "topk", "density": 0.01, "chunk": 4096,
+    "values": "int8"}`` (per chunk of 4096 elements the 1% of largest magnitude, chunk-local indices, int8
+    values with one scale per chunk; ``"values"`` may be ``"float32"``, ``"bfloat16"``, ``"float16"``, and
+    defaults to the level's ``comm_dtype``, else ``"int8"``). A compressed level sends the pseudo-gradient
+    ``anchor - theta`` plus its error-feedback residual (:attr:`ef_decay`) through its codec: every rank
+    all-gathers the payloads and decodes them in rank order, so the replicas stay bitwise equal. Without an
+    outer optimizer it steps like outer SGD with lr 1 (the mean of the decoded deltas); before the anchors
+    are taken (the warm-up) it averages plainly. Node-aware (``ranks_per_node``), the node sums its deltas at
+    full precision and only the node's shard crosses nodes compressed. Memory per compressed level: the
+    anchors (one fp32 copy of the averaged tensors) and the residuals (one more), plus, during a round, the
+    payloads of the group. Canonically one :class:`~hieravg_optim.compression.Int8Block` /
+    :class:`~hieravg_optim.compression.TopK` (or ``None``) per level. See ``docs/compression.md``."""
+
+    ef_decay: tuple[float, ...] = ()
+    """The error-feedback decay ``beta`` of each compressed level, in ``[0, 1]``; ``()`` (default): 1.0 at
+    every level (plain accumulation).
+
+    Given as one number or ``{period: number}`` (compressed periods only). Each round compresses
+    ``v = beta * e + delta`` and keeps ``e = v - decode(encode(v))`` on each rank (SparseLoCo,
+    https://arxiv.org/abs/2508.15706; MuLoCo, https://arxiv.org/abs/2505.23725, uses 0.9). ``0`` turns error
+    feedback off: no residual is kept (nor saved), and what a round's codec drops is lost."""
+
     log_metrics_every: int | None = None
     """Log the averaging metrics at INFO through the ``hieravg_optim.optimizer`` logger every this many steps
     (at counts that are multiples of it); ``None`` (default) never logs."""
@@ -313,6 +342,8 @@ class AveragingConfig:
             c is not None and c not in COMM_DTYPES for c in comm
         ):
             raise setting_error("comm_dtype", comm, "one wire dtype name per level, or () (build it with create())")
+        check_compress(self.compress, comm, self.levels)
+        check_ef_decay(self.ef_decay, self.levels)
         if self.outer_state_device is not None and not isinstance(self.outer_state_device, torch.device):
             raise setting_error("outer_state_device", self.outer_state_device, "None or a torch.device", kind=TypeError)
         outer = check_outer_optimizers(self.outer_optimizers, self.levels)
@@ -341,6 +372,8 @@ class AveragingConfig:
         average_frozen: bool = False,
         outer_optimizers: Mapping[int | str, OuterFactory] | None = None,
         outer_state_device: str | torch.device | None = None,
+        compress: CompressSpec = None,
+        ef_decay: float | Mapping[int | str, float] | None = None,
         log_metrics_every: int | None = None,
     ) -> AveragingConfig:
         """Build a config from the user forms of the settings; each keyword is the field of the same name.
@@ -348,7 +381,8 @@ class AveragingConfig:
         The user forms are turned into canonical ones here only: ``{period: group_size}`` (keys may be JSON's
         strings of digits) or pairs; numpy integers; ``comm_dtype`` as one dtype or ``{period: dtype}``;
         ``ranks_per_node="auto"``; ``outer_optimizers=None``; ``outer_state_device`` as a device name;
-        ``delay_steps``, ``fragments``, ``delay_mixing`` and ``delay_correction`` as one value or ``{period: value}``.
+        ``delay_steps``, ``fragments``, ``delay_mixing``, ``delay_correction``, ``compress`` and ``ef_decay`` as
+        one value or ``{period: value}``.
 
         Raises:
             ValueError: naming the offending value (naming the key, in the DeepSpeed section), for every invalid
@@ -363,6 +397,8 @@ class AveragingConfig:
                   "delay_correction": delay_correction}  # fmt: skip
         for name, value in numbers.items():  # named as given, before they become plain ints and floats
             check_setting(name, value)
+        comm = comm_dtype if isinstance(comm_dtype, tuple) else parse_comm_dtype(comm_dtype, levels)
+        codecs = compress if isinstance(compress, tuple) else parse_compress(compress, levels, comm)
         return cls(
             levels=levels,
             warmup_steps=plain_number(warmup_steps),  # type: ignore[arg-type]
@@ -370,13 +406,15 @@ class AveragingConfig:
             ranks_per_replica=plain_number(ranks_per_replica),  # type: ignore[arg-type]
             ranks_per_node=resolve_ranks_per_node(ranks_per_node),  # type: ignore[arg-type]
             bucket_cap_mb=as_real(bucket_cap_mb),  # type: ignore[arg-type]
-            comm_dtype=comm_dtype if isinstance(comm_dtype, tuple) else parse_comm_dtype(comm_dtype, levels),
+            comm_dtype=comm,
             **{name: parse_delay_setting(name, value, levels) for name, value in delays.items()},
             average_frozen=average_frozen,
             collective_timeout_s=as_real(collective_timeout_s),  # type: ignore[arg-type]
             nonfinite=nonfinite,  # type: ignore[arg-type]
             outer_optimizers=check_outer_optimizers(outer_optimizers, levels),
             outer_state_device=_outer_state_device(outer_state_device),
+            compress=codecs,
+            ef_decay=ef_decay if isinstance(ef_decay, tuple) else parse_ef_decay(ef_decay, levels, codecs),
             log_metrics_every=plain_number(log_metrics_every),  # type: ignore[arg-type]
         )
 
@@ -400,6 +438,26 @@ class AveragingConfig:
         # Replicas stepping with different outer optimizers would drift apart silently.
         value["outer optimizers (class, defaults)"] = self._outer_kinds
         return value
+
+    @property
+    def outer_factories(self) -> dict[int, OuterFactory]:
+        """``{period: factory}`` of every level that keeps anchors, in level order: those of
+        :attr:`outer_optimizers`, and each compressed level without one, which steps as outer SGD with lr 1
+        (:data:`~hieravg_optim.outer.PLAIN_OUTER`: the anchors become the mean of the decoded deltas' result)."""
+        compressed = {lv.period for lv, c in zip(self.levels, self.compress) if c is not None}
+        return {
+            lv.period: self.outer_optimizers.get(lv.period, PLAIN_OUTER)
+            for lv in self.levels
+            if lv.period in self.outer_optimizers or lv.period in compressed
+        }
+
+    def level_compress(self, level_index: int) -> Codec | None:
+        """The codec of the level at ``level_index`` (``None``: uncompressed)."""
+        return self.compress[level_index] if self.compress else None
+
+    def level_ef_decay(self, level_index: int) -> float:
+        """The error-feedback decay of the level at ``level_index`` (1.0 unless :attr:`ef_decay` says otherwise)."""
+        return self.ef_decay[level_index] if self.ef_decay else 1.0
 
     @property
     def bucket_cap_bytes(self) -> int:

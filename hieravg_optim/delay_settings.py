@@ -83,7 +83,8 @@ def check_delay_settings(config: Any) -> None:
         ValueError: naming the period and the values, and the fix: a delay not below the level's period or its
             fragment spacing; more fragments than the period; a level with a delay or fragments whose period does not
             divide every higher level's period (a higher level's round would start inside its window); an outer
-            optimizer on a level below a level with fragments.
+            optimizer (or ``compress``, which keeps anchors) on a level below a level with fragments.
+        NotImplementedError: for ``compress`` and a delay or fragments at the same level.
     """
     delays, fragments = _values(config, "delay_steps"), _values(config, "fragments")
     _values(config, "delay_mixing")
@@ -113,12 +114,22 @@ def check_delay_settings(config: Any) -> None:
                     "Choose nested periods, e.g. {4: ..., 32: ...}."
                 )
     outer_periods = set(getattr(config, "outer_optimizers", {}) or {})
+    codecs = getattr(config, "compress", ()) or ()
+    compressed = {lv.period for lv, c in zip(levels, codecs) if c is not None}  # they keep anchors too
+    for i, lv in enumerate(levels):
+        if lv.period in compressed and (delays[i] or fragments[i] > 1):
+            raise NotImplementedError(
+                f"compress at period {lv.period} together with delay_steps={delays[i]} / fragments={fragments[i]} at "
+                "the same level is not supported yet: a compressed round runs synchronously. Use compress on one level "
+                "and delay_steps / fragments on another, or drop one of them at this level."
+            )
+    outer_periods |= compressed
     for i, lv in enumerate(levels):
         if fragments[i] > 1:
             below = [q for q in periods[:i] if q in outer_periods]
             if below:
                 raise ValueError(
-                    f"fragments at period {lv.period} with an outer optimizer at the lower period(s) {below} is not "
-                    "supported (a lower round would step part of its anchors). Put the outer optimizer on the level "
-                    "with fragments or above it, or use fragments=1."
+                    f"fragments at period {lv.period} with an outer optimizer or compress (which keep anchors) at the "
+                    f"lower period(s) {below} is not supported (a lower round would step part of its anchors). Put them "
+                    "on the level with fragments or above it, or use fragments=1."
                 )

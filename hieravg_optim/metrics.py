@@ -50,6 +50,19 @@ class LevelMetrics:
     pseudo_grad_norm: float | None = None
     """L2 norm of this rank's pseudo-gradient (``anchor - mean``, over its shards) at the level's last round;
     ``None`` before the first round after the anchors were taken, or without an outer optimizer."""
+    compressed_bytes: int = 0
+    """Bytes this rank sent as compressed payloads (``compress``), summed over rounds: ``(n - 1)`` times its
+    payload for the all-gather over ``n`` ranks; node-aware, the all-gather across the ``q`` nodes only,
+    ``(q - 1)`` times the payload of its shard. 0 at an uncompressed level. Included in :attr:`bytes_sent`."""
+    uncompressed_bytes: int = 0
+    """Bytes the same compressed rounds would have sent for the pseudo-gradient uncompressed (an fp32
+    all-reduce over the level, estimated as :attr:`bytes_sent` is; node-aware, across nodes only): the
+    reference of :attr:`compression_ratio`."""
+    compression_ratio: float | None = None
+    """:attr:`compressed_bytes` / :attr:`uncompressed_bytes` (``None`` before a compressed round)."""
+    residual_norm: float | None = None
+    """L2 norm of this rank's error-feedback residuals after the level's last compressed round (``None``
+    before one, or without error feedback, ``ef_decay=0``)."""
 
 
 def bytes_sent(payload: int, lg: LevelGroup) -> int:
@@ -80,8 +93,9 @@ class MetricsMixin:
             :class:`LevelMetrics` as a plain dict of ints, floats and ``None``: ``period``,
             ``group_size``, ``subgroup_size``, ``rounds``, ``payload_bytes``, ``bytes_sent``
             (bytes), ``seconds``, ``outer_bytes`` (bytes of fp32 anchors plus outer optimizer state
-            held now), ``rounds_started``, ``rounds_applied`` and ``bytes_in_flight`` (delayed and fragment rounds) and
-            ``pseudo_grad_norm`` (at the level's last round, or ``None``). Example
+            held now), ``rounds_started``, ``rounds_applied`` and ``bytes_in_flight`` (delayed and fragment rounds),
+            ``pseudo_grad_norm`` (at the level's last round, or ``None``), and for compressed levels
+            ``compressed_bytes``, ``uncompressed_bytes``, ``compression_ratio`` and ``residual_norm``. Example
             for ``{4: 2, 8: 4}`` after 16 steps on 4 ranks
             of float32 parameters of 1,000 elements: ``{4: {"rounds": 2, "payload_bytes": 8000,
             "bytes_sent": 8000, ...}, 8: {"rounds": 2, "payload_bytes": 8000, "bytes_sent": 12000, ...}}``.
@@ -90,6 +104,7 @@ class MetricsMixin:
         for i, (m, outer) in enumerate(zip(self._metrics, self._outers.by_level)):
             m.outer_bytes = 0 if outer is None else outer.nbytes()
             m.bytes_in_flight = 0 if delayed is None else delayed.held_bytes(i)
+            m.compression_ratio = m.compressed_bytes / m.uncompressed_bytes if m.uncompressed_bytes else None
         return {m.period: asdict(m) for m in self._metrics}
 
     def _log_metrics_if_due(self) -> None:

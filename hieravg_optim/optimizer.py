@@ -29,6 +29,7 @@ from .checks import (
 )
 from .comm_dtype import CommDtype
 from .delay_settings import PerLevel
+from .compression.settings import CompressSpec
 from .config import AveragingConfig
 from .inner import (
     GROUP_STEP_KEY,
@@ -104,6 +105,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         ranks_per_node: Node-aware levels: [`ranks_per_node`][hieravg_optim.AveragingConfig.ranks_per_node].
         outer_optimizers: DiLoCo: [`outer_optimizers`][hieravg_optim.AveragingConfig.outer_optimizers].
         outer_state_device: Anchors' device: [`outer_state_device`][hieravg_optim.AveragingConfig.outer_state_device].
+        compress: Compressed rounds per level: [`compress`][hieravg_optim.AveragingConfig.compress].
+        ef_decay: Error-feedback decay per level: [`ef_decay`][hieravg_optim.AveragingConfig.ef_decay].
 
     Raises:
         ValueError: for an invalid setting, naming it (see :class:`~hieravg_optim.AveragingConfig`), before
@@ -158,6 +161,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         ranks_per_node: int | str | None = None,
         outer_optimizers: Mapping[int | str, OuterFactory] | None = None,
         outer_state_device: str | torch.device | None = None,
+        compress: CompressSpec = None,
+        ef_decay: float | Mapping[int | str, float] | None = None,
     ) -> None:
         try:
             if isinstance(optimizer, HierarchicalAveragingOptimizer):
@@ -184,6 +189,8 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
                 average_frozen=average_frozen,
                 outer_optimizers=outer_optimizers,
                 outer_state_device=outer_state_device,
+                compress=compress,
+                ef_decay=ef_decay,
                 log_metrics_every=log_metrics_every,
             )
             if isinstance(buffers, torch.Tensor):

@@ -28,6 +28,7 @@ from .schedule import AveragingLevel, entries_by_period
 
 __all__ = [
     "OuterFactory",
+    "PLAIN_OUTER",
     "build_outer_optimizer",
     "check_outer_optimizers",
     "check_outer_state_device",
@@ -54,6 +55,24 @@ class _NesterovOuter:
 
     def __repr__(self) -> str:
         return f"nesterov_outer(lr={self.lr!r}, momentum={self.momentum!r})"
+
+
+class _PlainOuter:
+    """The factory of a compressed level without an outer optimizer: outer SGD with lr 1 and no momentum."""
+
+    __slots__ = ()
+
+    def __call__(self, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(tensors, lr=1.0)
+
+    def __repr__(self) -> str:
+        return "PLAIN_OUTER"
+
+
+PLAIN_OUTER: OuterFactory = _PlainOuter()
+"""Outer SGD with lr 1 and no momentum: ``anchor - (anchor - mean) = mean``, plain averaging through anchors.
+The implicit outer optimizer of a compressed level that has none (``compress``): its anchors give the
+pseudo-gradient the level compresses."""
 
 
 def nesterov_outer(lr: float = 0.7, momentum: float = 0.9) -> OuterFactory:

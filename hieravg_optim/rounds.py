@@ -15,6 +15,7 @@ import torch.distributed as dist
 from .agreement import check_agreement
 from .anchors import OuterLevel, OuterLevels
 from .averaging import BucketPool, Prescaled, average_tensors_, prescale_checked_
+from .compression.round import compressed_round
 from .config import AveragingConfig
 from .faults import named_collective
 from .groups import LevelGroup, timeout_seconds
@@ -65,10 +66,19 @@ def average_round(
     with no extra round trip. If the round does not go on as planned (a non-finite replica, an error before the
     all-reduce), the division is undone before anything else.
 
+    A level with ``compress`` whose anchors are taken runs :func:`hieravg_optim.compression.round.compressed_round`
+    instead.
+
     Returns:
         Whether this rank's tensors were replaced by the finite replicas' mean (``nonfinite="skip_replica"``).
     """
     outer = outers.by_level[level_index]
+    if config.level_compress(level_index) is not None and outer is not None and outer.anchors is not None:
+        return compressed_round(
+            tensors, config=config, process_group=process_group, level_index=level_index, lg=lg, step=step,
+            outers=outers, metrics=metrics, pool=pool, replica_group=replica_group, replica_ranks=replica_ranks,
+            error=error, context=context,
+        )  # fmt: skip
     if outer is not None and error is None:
         error = outers.error(level_index, tensors, step, config.warmup_steps)
     if outer is not None and outer.anchors is None:

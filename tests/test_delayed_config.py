@@ -77,7 +77,7 @@ def test_rejected_combinations_with_the_levels():
         AveragingConfig.create({4: 2, 6: 4}, fragments={4: 2})
     AveragingConfig.create({4: 2, 6: 4}, delay_steps={6: 1})  # the top level: nothing above it
     # An outer optimizer below a level with fragments.
-    with pytest.raises(ValueError, match=r"fragments at period 32 with an outer optimizer at the lower period\(s\) \[4\]"):
+    with pytest.raises(ValueError, match=r"fragments at period 32 with an outer optimizer or compress \(which keep anchors\) at the lower period\(s\) \[4\]"):
         AveragingConfig.create(LEVELS, fragments={32: 4}, outer_optimizers={4: nesterov_outer()})
     # On the level with fragments, or above it: supported.
     config = AveragingConfig.create(LEVELS, fragments={32: 4}, delay_steps={32: 2}, outer_optimizers={32: nesterov_outer()})
@@ -109,3 +109,16 @@ def test_fragment_offsets_and_spacing():
     assert fragment_spacing(32, 4) == 8
     assert fragment_spacing(10, 3) == 3
     assert fragment_spacing(32, 10) == 3
+
+
+def test_compress_with_a_delay_or_fragments_at_one_level_is_refused():
+    """Not supported yet at the same level: a clear error at construction, on every rank (local check)."""
+    with pytest.raises(NotImplementedError, match=r"compress at period 32 together with delay_steps=4 / fragments=1"):
+        AveragingConfig.create({4: 2, 32: 4}, compress={32: "int8"}, delay_steps={32: 4})
+    with pytest.raises(NotImplementedError, match=r"fragments=2 at the same level"):
+        AveragingConfig.create({4: 2, 32: 4}, compress={32: "int8"}, fragments={32: 2})
+    with pytest.raises(ValueError, match=r"outer optimizer or compress \(which keep anchors\) at the lower period"):
+        AveragingConfig.create({4: 2, 32: 4}, compress={4: "int8"}, fragments={32: 4})
+    # On different levels they compose: the delayed level above, the compressed one below.
+    config = AveragingConfig.create({4: 2, 32: 4}, compress={4: "int8"}, delay_steps={32: 4})
+    assert config.level_compress(0) is not None and config.delay_steps == (0, 4)

@@ -197,7 +197,7 @@ def parse_section(section: Any) -> SectionSettings:
     except (TypeError, ValueError) as err:
         raise _in_section(err) from None
     device = settings.get("outer_state_device")
-    if enabled and device is not None and not outer_parsed:
+    if enabled and device is not None and not outer_parsed and not config.compress:
         warn_at_caller(
             f'DeepSpeed config section "{SECTION}": "outer_state_device": {device!r} has no effect without '
             '"outer_optimizer" (no level keeps anchors). Remove it, or add an "outer_optimizer".'

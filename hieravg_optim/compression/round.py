@@ -1,0 +1,344 @@
+"""The compressed round of a level with ``compress``: the payload, the exchange, the outer step.
+
+A compressed level keeps anchors (:class:`~hieravg_optim.anchors.OuterLevel`; without an outer optimizer of its
+own, outer SGD with lr 1, :data:`~hieravg_optim.outer.PLAIN_OUTER`). Its round, on every rank of the group:
+
+1. the agreement and the non-finite guard, as an uncompressed round (before anything is compressed);
+2. :func:`compute_payload`: the pseudo-gradient ``delta = anchor - theta`` of this rank's local tensors, plus
+   ``ef_decay`` times its error-feedback residual ``e``, as one flat fp32 ``v``, encoded by the level's codec;
+   the residual becomes ``v - decode(payload)`` (SparseLoCo, https://arxiv.org/abs/2508.15706);
+3. :func:`exchange`: an all-gather of the fixed-size payloads over the group (an int8 sum would overflow and
+   top-k indices differ per rank, so nothing is summed on the wire);
+4. :func:`apply_mean`: every rank decodes the gathered payloads in rank order into one fp32 sum, divides it by
+   the number of replicas, and steps the anchors with that mean pseudo-gradient
+   (:meth:`~hieravg_optim.anchors.OuterLevel.step_with`), which gives the tensors their new value. The same
+   payloads decoded in the same order: the replicas are bitwise equal after the round.
+
+Node-aware (``ranks_per_node``): the node first sums its ranks' deltas at full precision (reduce-scatter inside
+the node); each rank compresses its shard of that sum (divided by the number of replicas), the payloads cross
+nodes by an all-gather among the ranks of the same index, and an all-gather inside the node assembles the
+mean. One payload per node crosses the slow link; the residual is that of the node's shard on each rank.
+
+These three steps are separate functions so that rounds of other shapes (delayed or fragmented rounds)
+reuse them. See ``docs/compression.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .._compat import all_gather_single, reduce_scatter_single
+from .._handover import hand_over
+from ..agreement import check_agreement
+from ..anchors import OuterLevel, OuterLevels
+from ..averaging import BucketPool, average_tensors_
+from ..config import AveragingConfig
+from ..faults import named_collective
+from ..groups import LevelGroup, NodeGroups, timeout_seconds
+from ..metrics import LevelMetrics, bytes_sent
+from ..nonfinite import has_nonfinite, skip_nonfinite
+from ..outer import PLAIN_OUTER
+from ..replica import replica_any
+from .codecs import Codec
+
+__all__ = ["apply_mean", "compressed_round", "compute_payload", "decode_mean", "exchange"]
+
+
+def _flat(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One fp32 copy of ``tensors``, flattened and concatenated, on ``device``."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    return torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors])
+
+
+def _split_into(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``targets`` (shapes and devices theirs), in place."""
+    offset = 0
+    for t in targets:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view(t.shape))
+        offset += n
+
+
+def _pieces(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into new tensors shaped like ``like``, each on its device."""
+    out, offset = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[offset : offset + n].view(t.shape).to(t.device, copy=True))
+        offset += n
+    return out
+
+
+def compute_payload(
+    codec: Codec, delta: torch.Tensor, residual: torch.Tensor | None, decay: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Encode ``v = decay * residual + delta`` (fp32, 1-D); return the payload and the new residual.
+
+    Args:
+        codec: The level's codec.
+        delta: This rank's flat pseudo-gradient (or its node's shard of the node-aware sum).
+        residual: The error-feedback residual, shaped like ``delta``; ``None``: zero (first round).
+        decay: ``ef_decay``; ``0`` keeps no residual (returned as ``None``).
+
+    Returns:
+        ``(payload, v - decode(payload))``: the ``uint8`` payload, and the new residual (``None`` for ``decay`` 0).
+        Local, no collective.
+    """
+    v = delta if residual is None or decay == 0 else delta.add(residual, alpha=decay)
+    payload = codec.encode(v)
+    if decay == 0:
+        return payload, None
+    sent = torch.zeros(codec.padded_numel(v.numel()), dtype=torch.float32, device=v.device)
+    codec.decode_add_(payload, sent)
+    return payload, v.sub_(sent[: v.numel()]) if v is not delta else v.sub(sent[: v.numel()])
+
+
+def exchange(payload: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """All-gather the ``uint8`` ``payload`` of every rank of ``group``: ``[size, payload bytes]``, in rank order.
+
+    .. warning::
+        Collective over ``group``: every rank of it must call this with a payload of the same size.
+    """
+    gathered = torch.empty(size * payload.numel(), dtype=torch.uint8, device=payload.device)
+    hand_over(payload, gathered)
+    all_gather_single(gathered, payload, group)
+    return gathered.view(size, payload.numel())
+
+
+def decode_mean(
+    codec: Codec, gathered: torch.Tensor, numel: int, divisor: float, skip: Sequence[int] = ()
+) -> torch.Tensor:
+    """The sum of the decoded ``gathered`` payloads (rank order, those at the group indexes ``skip`` left
+    out), divided by ``divisor``: fp32, ``numel`` elements. The same bits on every rank given the same payloads.
+    Local, no collective."""
+    total = torch.zeros(codec.padded_numel(numel), dtype=torch.float32, device=gathered.device)
+    for index in range(gathered.shape[0]):
+        if index not in skip:
+            codec.decode_add_(gathered[index], total)
+    mean = total[:numel]
+    return mean if divisor == 1 else mean.div_(divisor)
+
+
+def apply_mean(outer: OuterLevel, mean: torch.Tensor, local: Sequence[torch.Tensor]) -> None:
+    """One outer step of ``outer`` with the flat mean pseudo-gradient ``mean``; the anchors' new value goes into
+    ``local`` (this rank's local tensors). Local, no collective."""
+    assert outer.anchors is not None
+    outer.step_with(_pieces(mean, outer.anchors), local)
+
+
+def _residual_shapes(local: Sequence[torch.Tensor], node: NodeGroups | None) -> list[tuple[int, ...]]:
+    """The shapes of a level's residuals: those of the local tensors, or one node shard (node-aware)."""
+    if node is None:
+        return [tuple(t.shape) for t in local]
+    numel = sum(t.numel() for t in local)
+    return [(-(-numel // node.local_size),)]
+
+
+def _local_error(outer: OuterLevel, local: Sequence[torch.Tensor], lg: LevelGroup) -> BaseException | None:
+    if outer.residuals is None:
+        return None
+    have = [tuple(r.shape) for r in outer.residuals]
+    want = _residual_shapes(local, lg.node)
+    if have == want:
+        return None
+    return RuntimeError(
+        f"The error-feedback residuals of the compressed level of period {lg.level.period} have shapes {have}, "
+        f"but its round needs {want}: the checkpoint was saved with another ranks_per_node or sharding. Resume "
+        "with the settings that saved it."
+    )
+
+
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors))
+
+
+def compressed_round(
+    tensors: Sequence[torch.Tensor],
+    *,
+    config: AveragingConfig,
+    process_group: dist.ProcessGroup,
+    level_index: int,
+    lg: LevelGroup,
+    step: int,
+    outers: OuterLevels,
+    metrics: LevelMetrics,
+    pool: BucketPool,
+    replica_group: dist.ProcessGroup | None,
+    replica_ranks: list[int],
+    error: BaseException | None = None,
+    context: Mapping[str, object] | None = None,
+) -> bool:
+    """A round of a compressed level whose anchors are taken: :func:`hieravg_optim.rounds.average_round` for it.
+
+    Its arguments and return value are :func:`~hieravg_optim.rounds.average_round`'s. The tensors the anchors
+    follow (all but the last ``outer_skip_last``, the buffers) travel compressed as the pseudo-gradient
+    ``anchor - theta`` plus the residual; the others are averaged uncompressed in the same round. The level's
+    first round after its anchors were taken averages them first (full precision, once), as an uncompressed
+    outer level does. A subgroup of one rank communicates nothing: a plain compressed level keeps its tensors,
+    one with an outer optimizer steps it with its own pseudo-gradient, uncompressed.
+
+    .. warning::
+        Collective over this rank's subgroup at the level (and its replica, for the non-finite vote).
+
+    Raises:
+        RuntimeError: as :func:`~hieravg_optim.rounds.average_round`, on every rank of the group; also when the
+            saved residuals do not fit this round (a checkpoint of another ``ranks_per_node`` or sharding).
+    """
+    from .. import rounds  # the uncompressed round's pieces (rounds dispatches here: imported at call time)
+
+    outer = outers.by_level[level_index]
+    assert outer is not None and outer.anchors is not None
+    codec = config.level_compress(level_index)
+    assert codec is not None
+    decay = config.level_ef_decay(level_index)
+    if error is None:
+        error = outers.error(level_index, tensors, step, config.warmup_steps)
+    local = outers.part(tensors)
+    rest = list(tensors[len(tensors) - outers.skip_last :]) if outers.skip_last else []
+    start = time.perf_counter()
+    if lg.group is None:
+        if error is not None:
+            raise error
+        if outer.factory is PLAIN_OUTER:
+            outer.reset(local)  # the mean of one replica: the tensors as they are
+        else:
+            outer.step(local)
+            metrics.pseudo_grad_norm = outer.pseudo_grad_norm
+        outers.reset_lower(level_index, tensors)
+        metrics.rounds += 1
+        metrics.seconds += time.perf_counter() - start
+        return False
+    name = rounds.round_name(step, lg)
+    with torch.no_grad(), named_collective(name, lg.ranks, timeout_s=timeout_seconds(config, lg.group)):
+        unsynced = not outer.synced
+        if error is None:
+            error = _local_error(outer, local, lg)
+        nonfinite = None
+        if config.nonfinite != "ignore":
+            try:  # before anything is compressed: a non-finite delta is a non-finite tensor (or anchor)
+                flag = has_nonfinite(tensors) or (unsynced and has_nonfinite(outer.anchors))
+            except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
+                flag, error = False, error or exc
+            with named_collective(
+                f"the agreement of the replica's ranks on whether it is finite, before {name}",
+                replica_ranks,
+                timeout_s=timeout_seconds(config, replica_group),
+            ):
+                nonfinite = replica_any(flag, replica_group)
+        bad = check_agreement(
+            tensors,
+            lg.group,
+            lg.ranks,
+            context={
+                "step count": step,
+                "bucket_cap_mb": config.bucket_cap_mb,
+                "compress": codec.describe(),
+                **outers.context(level_index),
+                **(context or {}),
+            },
+            what=f"the parameters to average at step {step} (period {lg.level.period}, group size "
+            f"{lg.level.group_size})",
+            error=error,
+            nonfinite=nonfinite,
+        )
+        divisor = skip_nonfinite(config, process_group, lg, bad, name, anchors=unsynced) if bad else None
+        replaced = dist.get_rank() in bad
+        comm_dtype = config.comm_dtype[level_index] if config.comm_dtype else None
+        payload = 0
+        if rest:
+            payload += average_tensors_(
+                rest, lg.group, lg.size, bucket_cap_bytes=config.bucket_cap_bytes, pool=pool, divisor=divisor,
+                comm_dtype=comm_dtype, node=lg.node, check_wire=config.nonfinite != "ignore", what=name,
+                contribute_zeros=replaced,
+            )  # fmt: skip
+        sent = bytes_sent(payload, lg)
+        if unsynced:
+            synced = rounds._sync_anchors(outer, lg, local, pool, config, replaced, divisor)
+            payload, sent = payload + synced, sent + bytes_sent(synced, lg)
+        device = local[0].device if local else torch.device("cpu")
+        numel = sum(t.numel() for t in local)
+        delta = _flat(outer.anchors, device).sub_(_flat(local, device))
+        if replaced:
+            delta.zero_()  # non-finite: this rank's payload is left out (flat) or adds zeros (node-aware)
+        skip = [lg.ranks.index(r) for r in bad]
+        replicas = float(lg.size if divisor is None else divisor)
+        residual = None if outer.residuals is None or decay == 0 else _flat(outer.residuals, device)
+        if lg.node is None:
+            mine, new_residual = compute_payload(codec, delta, residual, decay)
+            gathered = exchange(mine, lg.group, lg.size)
+            mean = decode_mean(codec, gathered, numel, replicas, skip)
+            compressed = (lg.size - 1) * mine.numel()
+            payload, sent = payload + mine.numel(), sent + compressed
+            uncompressed = bytes_sent(4 * numel, lg)
+        else:
+            mean, new_residual, mine_bytes, compressed, inner = _node_aware(
+                codec, delta, residual, decay, lg.node, replicas
+            )
+            payload, sent = payload + mine_bytes, sent + compressed + inner
+            m, q = lg.node.local_size, lg.node.cross_size
+            uncompressed = 2 * (q - 1) * 4 * numel // (q * m)  # what crosses nodes uncompressed
+        # Flat, a skipped rank's payload was left out: its residual stays. Node-aware, the residual is the node's.
+        if new_residual is not None and (lg.node is not None or not replaced):
+            if outer.residuals is None:
+                outer.residuals = [
+                    torch.zeros(shape, dtype=torch.float32, device=a.device)
+                    for shape, a in zip(_residual_shapes(local, lg.node), outer.anchors)
+                ]
+            _split_into(new_residual, outer.residuals)
+        elif decay == 0:
+            outer.residuals = None
+        apply_mean(outer, mean, local)
+        metrics.pseudo_grad_norm = outer.pseudo_grad_norm
+    outers.reset_lower(level_index, tensors)
+    metrics.rounds += 1
+    metrics.payload_bytes += payload
+    metrics.bytes_sent += sent
+    metrics.compressed_bytes += compressed
+    metrics.uncompressed_bytes += uncompressed
+    metrics.residual_norm = None if outer.residuals is None else _norm(outer.residuals)
+    metrics.seconds += time.perf_counter() - start
+    return replaced
+
+
+def _node_aware(
+    codec: Codec,
+    delta: torch.Tensor,
+    residual: torch.Tensor | None,
+    decay: float,
+    node: NodeGroups,
+    replicas: float,
+) -> tuple[torch.Tensor, torch.Tensor | None, int, int, int]:
+    """The node-aware exchange: full-precision sum inside the node, compressed shards across nodes.
+
+    Returns:
+        ``(mean, new residual of this rank's shard, payload bytes, compressed bytes sent across nodes, bytes
+        sent inside the node)``.
+    """
+    m = node.local_size
+    numel = delta.numel()
+    padded = -(-numel // m) * m
+    full = torch.zeros(padded, dtype=torch.float32, device=delta.device)
+    full[:numel] = delta
+    shard = torch.empty(padded // m, dtype=torch.float32, device=delta.device)
+    hand_over(full, shard)
+    reduce_scatter_single(shard, full, node.local)
+    shard.div_(replicas)  # this node's share of the mean: the sum over nodes is the mean
+    mine, new_residual = compute_payload(codec, shard, residual, decay)
+    cross = 0
+    if node.cross is None:
+        mean_shard = decode_mean(codec, mine.view(1, -1), shard.numel(), 1.0)
+    else:
+        gathered = exchange(mine, node.cross, node.cross_size)
+        mean_shard = decode_mean(codec, gathered, shard.numel(), 1.0)
+        cross = (node.cross_size - 1) * mine.numel()
+    mean_shard = mean_shard.contiguous()
+    hand_over(mean_shard, full)
+    all_gather_single(full, mean_shard, node.local)
+    inner = 2 * (m - 1) * 4 * padded // m
+    return full[:numel], new_residual, mine.numel(), cross, inner
