@@ -322,6 +322,12 @@ def _chars_rank(rank: int, world_size: int, runs, steps: int, batch: int, contex
             row["top"] = top
         strict = not {"delay_steps", "fragments"} & set(top)
         metrics = _count_rounds(row, opt, levels, steps, name, strict)
+        if top.get("delay_steps") and hasattr(getattr(opt, "averager", None), "apply_rounds_in_flight"):
+            # The end of training: the rounds still in flight (the last top-level round's) applied now, as at
+            # their apply count, the local progress being the steps since they started; then evaluated again.
+            row["rounds_applied_at_end"] = opt.averager.apply_rounds_in_flight(opt.tensors_to_average())
+            if row["rounds_applied_at_end"]:
+                row["val_loss_in_flight_applied"] = evaluate(model)
         if metrics is not None:
             assert level_at(steps - 1, levels, 0) == len(levels) - 1, "the run must end on a top-level round"
             row["pseudo_grad_norm_last_round"] = {str(p): metrics[p].get("pseudo_grad_norm") for p in levels}
@@ -512,9 +518,13 @@ def _sweep_checks(rows) -> dict:
 
     Per row, from ``metrics()`` over the same rounds: final validation loss / the baseline's; the top level's
     ``payload_bytes`` (what a rank puts on the wire per round: the fp32 tensors for an all-reduce, its payload for
-    an all-gather) / the baseline's; its ``bytes_sent`` (what the collective sends per rank: 2 (n - 1) / n x the
-    payload for a ring all-reduce, (n - 1) x for an all-gather) / the baseline's. A target is met when the loss
-    ratio and the payload ratio are at most the target's.
+    an all-gather; a compressed level's first round, before its anchors, is uncompressed) / the baseline's; its
+    ``bytes_sent`` (what the collective sends per rank: 2 (n - 1) / n x the payload for a ring all-reduce,
+    (n - 1) x for an all-gather) / the baseline's; for a compressed level its ``compression_ratio`` (bytes sent
+    compressed / by an fp32 all-reduce) and the payload of a compressed round / its fp32 tensors. A target is
+    met when the loss ratio and (compressed) the payload ratio per compressed round are at most the target's. A
+    delayed run that applied its rounds in flight after the last step (``apply_rounds_in_flight``) has its loss
+    then checked too, as a target row of its own.
     """
     base = {_baseline_key(r): r for r in rows if not r.get("top") and "bytes_sent_per_level" in r}
     out: dict = {"rows": [], "targets": []}
@@ -523,13 +533,21 @@ def _sweep_checks(rows) -> dict:
         if b is None or "top" not in r:
             continue
         top = str(max(int(p) for p in r["bytes_sent_per_level"]))
-        payload, base_payload = r["top_level_metrics"].get("payload_bytes"), b["top_level_metrics"].get("payload_bytes")
+        m = r["top_level_metrics"]
+        payload, base_payload = m.get("payload_bytes"), b["top_level_metrics"].get("payload_bytes")
+        # metrics() of a compressed level: compressed_bytes = (n - 1) x the payloads its all-gathers sent,
+        # uncompressed_bytes = 2 (n - 1) / n x the fp32 bytes a ring all-reduce would have sent, over the same
+        # (compressed) rounds; so payload / fp32 per compressed round = compression_ratio x 2 / n (flat levels).
+        codec_ratio = m["compression_ratio"] * 2 / m["group_size"] if m.get("compression_ratio") is not None else None
         ratio = {"label": _top_label(r["top"]), "top": r["top"], "contender": r["contender"], "lr": r["lr"],
                  "outer_lr": r["outer_lr"], "outer_momentum": r["outer_momentum"],
                  "loss_over_baseline": r["final_val_loss"] / b["final_val_loss"],
                  "loss_over_baseline_last4": _last_evals_ratio(r, b, 4),
                  "payload_over_baseline": payload / base_payload if payload is not None and base_payload else None,
+                 "compression_ratio": m.get("compression_ratio"), "payload_over_fp32_compressed_rounds": codec_ratio,
                  "bytes_over_baseline": r["bytes_sent_per_level"][top] / b["bytes_sent_per_level"][top]}  # fmt: skip
+        if "val_loss_in_flight_applied" in r:
+            ratio["applied_loss_over_baseline"] = r["val_loss_in_flight_applied"] / b["final_val_loss"]
         out["rows"].append(ratio)
         for issue, settings, label, max_loss, max_bytes in SWEEP_TARGETS:
             if json.dumps(r["top"], sort_keys=True) != json.dumps(settings, sort_keys=True):
@@ -538,9 +556,14 @@ def _sweep_checks(rows) -> dict:
             loss = ratio["loss_over_baseline"]
             out["targets"].append({"issue": issue, "label": tag, "what": "final validation loss / baseline",
                                    "value": loss, "target": f"<= {max_loss:g}", "met": loss <= max_loss})  # fmt: skip
+            if "applied_loss_over_baseline" in ratio:
+                loss = ratio["applied_loss_over_baseline"]
+                out["targets"].append({"issue": issue, "label": tag, "value": loss, "target": f"<= {max_loss:g}",
+                                       "what": "final validation loss, the round in flight applied at the end, / "
+                                       "baseline", "met": loss <= max_loss})  # fmt: skip
             if max_bytes is not None:
-                nb = ratio["payload_over_baseline"]
-                out["targets"].append({"issue": issue, "label": tag, "what": "top-level payload bytes / fp32 baseline's",
+                nb = ratio["payload_over_fp32_compressed_rounds"]
+                out["targets"].append({"issue": issue, "label": tag, "what": "payload / fp32, per compressed round",
                                        "value": float("nan") if nb is None else nb, "target": f"<= {max_bytes:g}",
                                        "met": nb is not None and nb <= max_bytes})  # fmt: skip
     return out
@@ -562,7 +585,7 @@ def _plot_sweep(rows, path, title):
         ax.plot(xs, ys, style, marker="o", ms=2.5, label=label)
         zoom.plot(xs, ys, style, marker="o", ms=2.5, label=label)
     finals = [r["final_val_loss"] for r in rows]
-    ax.set_ylim(min(finals) - 0.1, min(finals) + 1.0)
+    ax.set_ylim(min(finals) - 0.1, max(min(finals) + 1.0, max(finals) + 0.3))
     zoom.set_xlim(rows[0]["curve"][-1][0] * 0.6, rows[0]["curve"][-1][0] * 1.02)
     zoom.set_ylim(min(finals) - 0.03, max(finals) + 0.08)
     for a in (ax, zoom):

@@ -213,18 +213,25 @@ def convergence_sweep(d) -> str:
     ratios = {(r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"], json.dumps(r["top"], sort_keys=True)): r
               for r in sweep["rows"]}  # fmt: skip
     w("| contender | inner lr | outer lr / momentum | top-level settings | rounds per level (`metrics()`) | "
-      "validation loss | / baseline | / baseline, last 4 evaluations | top-level payload MB per rank | / baseline | top-level MB sent per rank | "
-      "/ baseline | started (UTC) | load average | s | hieravg_optim |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "validation loss | / baseline | / baseline, last 4 evaluations | the round in flight applied at the end: "
+      "validation loss / baseline | top-level payload MB per rank | / baseline | top-level MB sent per rank | "
+      "/ baseline | `compression_ratio` | payload / fp32, per compressed round | started (UTC) | load average | s | "
+      "hieravg_optim |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in d["rows"]:
         top = r.get("top", {})
         key = (r["contender"], r["lr"], r["outer_lr"], r["outer_momentum"], json.dumps(top, sort_keys=True))
         ratio = ratios.get(key)
         loss_ratio = f"{ratio['loss_over_baseline']:.4f}" if ratio else "-"
+        applied = (f"{r['val_loss_in_flight_applied']:.4f} / {ratio['applied_loss_over_baseline']:.4f}"
+                   if ratio and "applied_loss_over_baseline" in ratio else "-")
         last4 = f"{ratio['loss_over_baseline_last4']:.4f}" if ratio and ratio["loss_over_baseline_last4"] else "-"
         bytes_ratio = f"{ratio['bytes_over_baseline']:.4f}" if ratio else "-"
         payload_ratio = f"{ratio['payload_over_baseline']:.4f}" if ratio and ratio["payload_over_baseline"] else "-"
         payload = r.get("top_level_metrics", {}).get("payload_bytes")
+        cr = ratio.get("compression_ratio") if ratio else None
+        per_round = ratio.get("payload_over_fp32_compressed_rounds") if ratio else None
+        codec = f"{cr:.4f} | {per_round:.4f}" if cr is not None and per_round is not None else "- | -"
         top_payload = _mb(payload) if payload is not None else "-"
         rpl = ", ".join(f"{k}: {v}" for k, v in r["rounds_per_level"].items())
         outer = f"{r['outer_lr']:g} / {r['outer_momentum']:g}" if r["outer_lr"] else "-"
@@ -232,8 +239,8 @@ def convergence_sweep(d) -> str:
         top_sent = _mb(sent[str(max(int(p) for p in sent))]) if sent else "-"
         label = "`" + json.dumps(top) + "`" if top else "- (baseline)"
         load = r.get("environment_load_average", ["?"])[0]
-        w(f"| {r['contender']} | {r['lr']:g} | {outer} | {label} | {rpl} | {r['final_val_loss']:.4f} | {loss_ratio} | {last4} | "
-          f"{top_payload} | {payload_ratio} | {top_sent} | {bytes_ratio} | "
+        w(f"| {r['contender']} | {r['lr']:g} | {outer} | {label} | {rpl} | {r['final_val_loss']:.4f} | {loss_ratio} | {last4} | {applied} | "
+          f"{top_payload} | {payload_ratio} | {top_sent} | {bytes_ratio} | {codec} | "
           f"{r['utc_start'].replace('T', ' ').rstrip('Z') if 'utc_start' in r else '-'} | {load} | {r['seconds']:.0f} | "
           f"{(r.get('hieravg_optim') or {}).get('revision') or '-'} |")
     if sweep["targets"]:
@@ -284,12 +291,25 @@ def cross_node_round_s(r) -> float | None:
     return top["seconds"] / top["rounds"] if top["rounds"] else None
 
 
+def compressed_round_s(r) -> float | None:
+    """Seconds of a cross-node round after the first, from the step times: at each count ``c >= period`` with
+    ``c % period == 0`` (a compressed level's first round, at count 0, is uncompressed: its anchors are taken
+    then), the step's time above the median step, averaged over those counts."""
+    if not r.get("levels"):
+        return None
+    period = max(int(p) for p in r["levels"])
+    steps = r["seconds_per_step"]
+    extra = [steps[c] - r["seconds_per_step_median"] for c in range(period, len(steps), period)]
+    return sum(extra) / len(extra) if extra else None
+
+
 def multinode_checks(runs) -> list[dict]:
     """The issue-24 and issue-25 targets of each feature mode against its baseline in the same run, computed.
 
     Issue 24 (delay, fragments, against ``hier``): the slowest step at most 1.5x the median step; the mean
     seconds per step at least 1.25x better; the final training loss within 1%. Issue 25 (compressed, against
-    ``hier_node``): a cross-node round at least 3x shorter; the final training loss within 1%.
+    ``hier_node``): a cross-node round at least 3x shorter (:func:`compressed_round_s`: the rounds after the
+    first, which is uncompressed); the final training loss within 1%.
     """
     checks = []
     for mode, (base_mode, issue) in MULTINODE_TARGETS.items():
@@ -308,9 +328,10 @@ def multinode_checks(runs) -> list[dict]:
             speed = base["seconds_per_step_mean"] / r["seconds_per_step_mean"]
             check(f"mean s/step, {base_mode} / {mode}", speed, ">= 1.25", speed >= 1.25)
         else:
-            base_s, s = cross_node_round_s(base), cross_node_round_s(r)
-            ratio = base_s / s if base_s and s else float("nan")
-            check(f"cross-node round s, {base_mode} / {mode}", ratio, ">= 3", ratio >= 3)
+            base_s, s = compressed_round_s(base), compressed_round_s(r)
+            ratio = base_s / s if base_s and s and s > 0 else float("nan")
+            check(f"cross-node round after the first (its step above the median step) s, {base_mode} / {mode}",
+                  ratio, ">= 3", ratio >= 3)
         check(f"final loss, {mode} / {base_mode}", loss_ratio, "within 1%", abs(loss_ratio - 1) <= 0.01)
     return checks
 
@@ -326,10 +347,14 @@ def multinode_modes(d) -> str:
       f"parameters ({_mb(first['model_bytes'])} MB), {first['steps']} steps, batch {first['batch_per_rank']} per rank; "
       f"measured {env['utc']} (end), load average at start {env['load_average_at_start']}.\n")
     w("| mode | levels | cross-node settings | s/step mean | median | slowest | slowest / median | "
-      "s in a cross-node round (`metrics()`: seconds / rounds) | MB sent per rank, cross-node level | final training loss | test accuracy % |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|")
+      "s in a cross-node round (`metrics()`: seconds / rounds) | steps at the cross-node counts, s | "
+      "MB sent per rank, cross-node level | final training loss | test accuracy % |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, r in runs.items():
         lv = "gradient all-reduce every step" if not r["levels"] else "`" + json.dumps(r["levels"]) + "`"
+        period = max(int(p) for p in r["levels"]) if r["levels"] else None
+        at_rounds = (", ".join(f"{c}: {r['seconds_per_step'][c]:.2f}" for c in range(0, len(r["seconds_per_step"]), period))
+                     if period else "-")  # fmt: skip
         settings = dict(r.get("cross_node_settings") or {})
         if r.get("ranks_per_node_setting"):
             settings = {"ranks_per_node": r["ranks_per_node_setting"], **settings}
@@ -340,7 +365,7 @@ def multinode_modes(d) -> str:
         sent = _mb(metrics[max(metrics, key=int)]["bytes_sent"]) if metrics else "-"
         w(f"| {mode} | {lv} | {st} | {r['seconds_per_step_mean']:.3f} | {r['seconds_per_step_median']:.3f} | "
           f"{max(steps):.3f} | {max(steps) / r['seconds_per_step_median']:.2f} | "
-          f"{'-' if round_s is None else f'{round_s:.2f}'} | {sent} | {r['final_train_loss_avg_model']:.4f} | "
+          f"{'-' if round_s is None else f'{round_s:.2f}'} | {at_rounds} | {sent} | {r['final_train_loss_avg_model']:.4f} | "
           f"{100 * r['final_test_accuracy_avg_model']:.2f} |")
     checks = multinode_checks(runs)
     if checks:
