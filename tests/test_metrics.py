@@ -18,9 +18,9 @@ from hieravg_optim.config import AveragingConfig
 from hieravg_optim.optimizer import HierarchicalAverager, HierarchicalAveragingOptimizer
 from hieravg_optim.schedule import AveragingLevel, rounds_per_level
 
-from .harness import run_distributed
+from .harness import default_timeout, run_distributed
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(default_timeout(120))  # scaled like the harness's deadline
 
 WORLD_SIZE = 4
 BAD_LOG_EVERY = (0, -2, 2.5, True, "10")
