@@ -186,7 +186,7 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
     expected = rounds_per_level(0, args.steps, levels, 0)
     final_round = level_at(args.steps - 1, levels, 0) != top
     if final_round:  # the run did not end on a top-level round: one more, so that there is one model
-        opt.averager.average(-1, opt.tensors_to_average())
+        opt.average_now(-1)
         val_curve.append((args.steps, validation_loss(model, shard)))
     identical = identical_after_rounds and replicas_identical(opt.tensors_to_average())
     return {

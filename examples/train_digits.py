@@ -238,7 +238,7 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
     averaging = averaging_metrics(opt.averager, total_steps, earlier_metrics)  # before the final averaging's round
 
     # Final global averaging, then check by all-gather that every rank holds the same parameters.
-    opt.averager.average(-1, opt.tensors_to_average())
+    opt.average_now(-1)
     identical = replicas_identical(opt.tensors_to_average())
     test_loss, test_accuracy = evaluate(model, data.x_test, data.y_test)
 

@@ -154,7 +154,7 @@ def train(args: argparse.Namespace, levels: dict[int, int], rank: int, world_siz
 
     # Final global averaging of the local shards, then check by all-gather that every rank holds the same
     # full parameters (every replica, gathered over its shards).
-    opt.averager.average(-1, opt.tensors_to_average())
+    opt.average_now(-1)
     identical = replicas_identical(full_parameters(model))
     test_loss, test_accuracy = evaluate(model, data.x_test, data.y_test)
 

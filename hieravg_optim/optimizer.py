@@ -420,6 +420,48 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         """Per level, keyed by period: rounds, bytes and seconds; see :class:`LevelMetrics`."""
         return self.averager.metrics()
 
+    def apply_rounds_in_flight(self) -> int:
+        """Wait for every delayed round in flight and apply it to this wrapper's tensors now.
+
+        For the end of training or before an evaluation: a round started at count ``t`` (``delay_steps``,
+        ``fragments``) is otherwise applied at ``t + delay_steps`` only. The round is applied as at its count,
+        with the local progress made since ``t``
+        (:meth:`HierarchicalAverager.apply_rounds_in_flight <hieravg_optim.HierarchicalAverager.apply_rounds_in_flight>`).
+        The count does not change.
+
+        Returns:
+            The number of rounds applied (0 without ``delay_steps`` / ``fragments``, or with none in flight).
+
+        Raises:
+            CollectiveError: if a round's collective failed (a dead or hung peer), naming it.
+
+        .. warning::
+            Every rank of the process group must call it at the same count: the rounds in flight are the same
+            on every rank, and waiting for one waits for its collective.
+        """
+        return self.averager.apply_rounds_in_flight(self.tensors_to_average())
+
+    def average_now(self, level_index: int = -1) -> None:
+        """Average at one level now, whatever the count: e.g. ``-1``, the top level, so that every replica holds
+        the same weights before an evaluation or at the end of training.
+
+        Rounds in flight are applied first (:meth:`apply_rounds_in_flight`), so nothing is applied on top of
+        the result later. At a level with an outer optimizer whose anchors are taken this is one outer step
+        (:meth:`HierarchicalAverager.average <hieravg_optim.HierarchicalAverager.average>`). The count does not
+        change. Mirrors DeepSpeed's ``get_averaging(engine).average_now``.
+
+        Raises:
+            RuntimeError: on every rank of the subgroup if its ranks disagree on the tensors or the frozen
+                parameters, or a collective fails (naming the round and the ranks).
+
+        .. warning::
+            Collective over this rank's subgroup at that level (and over the groups of the rounds in flight):
+            every rank of the process group must call it, with the same ``level_index``.
+        """
+        self.apply_rounds_in_flight()
+        tensors = self.tensors_to_average()
+        self.averager.average(level_index, tensors, error=self._round_error(), context=self._frozen_context())
+
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, plus the averaging state.
 

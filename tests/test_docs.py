@@ -20,6 +20,8 @@ TESTED_BLOCKS = {
     "quickstart_output": "tests/test_examples.py::test_documented_quickstart_runs",
     "quickstart_ddp": "tests/test_examples.py::test_documented_quickstart_runs",
     "quickstart_ddp_output": "tests/test_examples.py::test_documented_quickstart_runs",
+    "quickstart_slow_link": "tests/test_examples.py::test_documented_quickstart_runs",
+    "quickstart_slow_link_output": "tests/test_examples.py::test_documented_quickstart_runs",
     "fsdp_quickstart": "tests/test_fsdp_example.py::test_documented_fsdp_quickstart_runs_and_checkpoints",
     "fsdp_quickstart_output": "tests/test_fsdp_example.py::test_documented_fsdp_quickstart_runs_and_checkpoints",
 }

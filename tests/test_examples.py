@@ -129,14 +129,19 @@ def test_train_digits_without_torchrun_says_how_to_launch():
     assert "launch with torchrun --nproc_per_node N examples/train_digits.py" in result.stderr
 
 
-@pytest.mark.parametrize("name", ["quickstart", "quickstart_ddp"])
+@pytest.mark.parametrize("name", ["quickstart", "quickstart_ddp", "quickstart_slow_link"])
 def test_documented_quickstart_runs(tmp_path, name):
-    """The documented quickstarts, pasted into a file and launched on 4 ranks, run and average as documented."""
+    """The documented quickstarts, pasted into a file and launched on 4 ranks, run and average as documented.
+
+    The slow-link quickstart (delayed and int8-compressed top level) also prints its byte ratio as shown.
+    """
     script = tmp_path / f"{name}.py"
     script.write_text(doc_block(name))
     result = torchrun(4, script)
     check_ok(result)
-    shown = doc_block(f"{name}_output").strip()  # rank 0's line, as shown in the docs
+    shown, *more = doc_block(f"{name}_output").strip().splitlines()  # rank 0's lines, as shown in the docs
+    for line in more:  # lines after the first: printed as shown (deterministic values, e.g. a byte ratio)
+        assert line in result.stdout, f"the documented line {line!r} is not in the output:\n{result.stdout}"
     shown_match = re.fullmatch(RANK_LINE, shown)
     assert shown_match, f"the documented output {shown!r} does not match {RANK_LINE!r}"
     printed = {m[0]: m[3] for m in re.findall(RANK_LINE, result.stdout)}

@@ -320,14 +320,38 @@ class DeepSpeedAveraging:
 
         ``-1`` is the top level: every replica ends with the same weights (e.g. before evaluation),
         and, with ``average_buffers``, every rank with the same buffers.
-        The step count does not change. At a level with an outer optimizer (once its anchors are
+        The step count does not change. Rounds in flight (``delay_steps``) are applied first
+        (:meth:`apply_rounds_in_flight`). At a level with an outer optimizer (once its anchors are
         taken) this is a full round: average, outer step, anchors into the masters.
 
         .. warning::
             Collective over this rank's subgroup at that level and over its replica.
         """
+        self.apply_rounds_in_flight()
         self.averager.average(level_index, self.tensors_to_average(), context=self._frozen_context())
         self._after_round(level_index)
+
+    def apply_rounds_in_flight(self) -> int:
+        """Wait for every delayed round in flight, apply it to the fp32 masters now and push them into the module.
+
+        For the end of training or before an evaluation: a round started at engine step ``t`` (``delay_steps``,
+        ``fragments``) is otherwise applied at ``t + delay_steps`` only. The count does not change
+        (:meth:`HierarchicalAverager.apply_rounds_in_flight <hieravg_optim.HierarchicalAverager.apply_rounds_in_flight>`).
+
+        Returns:
+            The number of rounds applied (0 without delayed rounds in flight).
+
+        Raises:
+            CollectiveError: if a round's collective failed (a dead or hung peer), naming it.
+
+        .. warning::
+            Every rank of the world must call it at the same engine step; with rounds in flight, ZeRO-3 then
+            gathers the new masters into the module over the replica.
+        """
+        applied = self.averager.apply_rounds_in_flight(self.tensors_to_average())
+        if applied:
+            self.push_to_module()
+        return applied
 
     @torch.no_grad()
     def broadcast_from_first_replica(self) -> None:
