@@ -115,7 +115,8 @@ def test_compress_with_a_delay_or_fragments_at_one_level():
     """They compose at one level, except node-aware (a clear error at construction, on every rank: local check)."""
     config = AveragingConfig.create({4: 2, 32: 4}, compress={32: "int8"}, delay_steps={32: 4}, fragments={32: 2})
     assert config.level_compress(1) is not None and config.delay_steps == (0, 4) and config.fragments == (1, 2)
-    with pytest.raises(NotImplementedError, match=r"compress at period 32 together with delay_steps=4 / fragments=1 on a node-aware"):
+    node_aware = r"compress at period 32 together with delay_steps=4 / fragments=1 on a node-aware"
+    with pytest.raises(NotImplementedError, match=node_aware):
         AveragingConfig.create({4: 2, 32: 8}, compress={32: "int8"}, delay_steps={32: 4}, ranks_per_node=4)
     # comm_dtype keeps its meaning there: the dtype of top-k's kept values (and of the buffers' average); int8 is
     # its own wire.

@@ -17,6 +17,7 @@ from tests.harness import default_timeout, run_distributed
 from tests.test_delayed import capture_round_inputs
 from tests.test_deepspeed import S, WORLD, _client_optimizer, _config, _dtype, _full_masters, _full_module, _gather
 from tests.test_deepspeed import _micro_step, _model, _two_groups
+from tests.test_outer_deepspeed import NESTEROV
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -28,7 +29,7 @@ SECTION = {"period_group_size": {"4": WORLD}, "warmup_steps": 1, "ranks_per_repl
            "delay_steps": 2}  # fmt: skip
 
 COMPRESSED_SECTION = {**SECTION, "compress": {"4": {"type": "int8", "block": 16}}, "ef_decay": 0.9,
-                      "outer_optimizer": {"4": {"type": "SGD", "params": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}}}  # fmt: skip
+                      "outer_optimizer": {"4": NESTEROV}}  # fmt: skip
 
 
 def _applied_case(rank, name, stage, prec):
