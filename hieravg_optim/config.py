@@ -296,7 +296,10 @@ class AveragingConfig:
     all-gathers the payloads and decodes them in rank order, so the replicas stay bitwise equal. Without an
     outer optimizer it steps like outer SGD with lr 1 (the mean of the decoded deltas); before the anchors
     are taken (the warm-up) it averages plainly. Node-aware (``ranks_per_node``), the node sums its deltas at
-    full precision and only the node's shard crosses nodes compressed. Memory per compressed level: the
+    full precision and only the node's shard crosses nodes compressed. With :attr:`delay_steps` or
+    :attr:`fragments` at the same level, each round's payloads are encoded at its start, all-gathered in the
+    background and decoded where it is applied (``hieravg_optim.compression.delayed``); a node-aware level with
+    them is a ``NotImplementedError`` at construction. Memory per compressed level: the
     anchors (one fp32 copy of the averaged tensors) and the residuals (one more), plus, during a round, the
     payloads of the group. Canonically one :class:`~hieravg_optim.compression.Int8Block` /
     :class:`~hieravg_optim.compression.TopK` (or ``None``) per level. See ``docs/compression.md``."""

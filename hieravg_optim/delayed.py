@@ -576,14 +576,8 @@ class DelayedRounds:
             )  # fmt: skip
             lg = self.level_groups[li]
             codec = self.config.level_compress(li) if lg.group is not None else None
-            if "compressed" in entry or codec is not None:
-                if "compressed" not in entry:
-                    raise ValueError(
-                        f"{where} was saved by an uncompressed level, but this averager compresses it ({codec.describe()}): "
-                        "resume with the saved run's compress setting."
-                    )
-                device = result[0].device if result else torch.device("cpu")
-                rounds[li].compressed = load_payloads(entry["compressed"], codec, lg, where, device)
+            device = result[0].device if result else torch.device("cpu")
+            rounds[li].compressed = load_payloads(entry, codec, lg, where, device)
         return rounds
 
     def load_state(self, rounds: dict[int, InFlightRound]) -> None:

@@ -115,8 +115,16 @@ def test_compress_with_a_delay_or_fragments_at_one_level():
     """They compose at one level, except node-aware (a clear error at construction, on every rank: local check)."""
     config = AveragingConfig.create({4: 2, 32: 4}, compress={32: "int8"}, delay_steps={32: 4}, fragments={32: 2})
     assert config.level_compress(1) is not None and config.delay_steps == (0, 4) and config.fragments == (1, 2)
-    with pytest.raises(NotImplementedError, match=r"compress at period 32 together with delay_steps=4 / fragments=1 on a node-aware"):
+    node_aware = r"compress at period 32 together with delay_steps=4 / fragments=1 on a node-aware"
+    with pytest.raises(NotImplementedError, match=node_aware):
         AveragingConfig.create({4: 2, 32: 8}, compress={32: "int8"}, delay_steps={32: 4}, ranks_per_node=4)
+    # comm_dtype keeps its meaning there: the dtype of top-k's kept values (and of the buffers' average); int8 is
+    # its own wire.
+    topk = {"type": "topk", "density": 0.1}
+    config = AveragingConfig.create({4: 2, 32: 4}, compress={32: topk}, delay_steps={32: 4}, comm_dtype={32: "bf16"})
+    assert config.level_compress(1).values == "bfloat16"
+    with pytest.raises(ValueError, match=r"compress of period 32 is int8, which is its own wire dtype.*drop comm_dtype"):
+        AveragingConfig.create({4: 2, 32: 4}, compress={32: "int8"}, fragments={32: 2}, comm_dtype={32: "bf16"})
     # ranks_per_node that makes no level node-aware (one rank per node in the group) is fine.
     AveragingConfig.create({4: 2, 32: 4}, compress={32: "int8"}, fragments={32: 2}, ranks_per_node=1)
     with pytest.raises(ValueError, match=r"outer optimizer or compress \(which keep anchors\) at the lower period"):

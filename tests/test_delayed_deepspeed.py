@@ -5,7 +5,8 @@ count 4 and is applied at count 6. The fp32 master weights are gathered (DeepSpe
 the round starts (``theta_4`` per replica) and right before it is applied (``theta_6``); after the step at count
 6 every rank's masters equal exactly ``(theta_4[replica 0] + theta_4[replica 1]) / 2 + (theta_6 - theta_4)`` of
 its replica, computed in float32 in that order, and the module holds them rounded to its dtype. A checkpoint
-saved with the round in flight (after count 5) resumes to the uninterrupted run, bitwise.
+saved with the round in flight (after count 5) resumes to the uninterrupted run, bitwise; one with a compressed
+round in flight (``compress`` int8 with error feedback under Nesterov at the same level, ZeRO-1), bitwise too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tests.harness import default_timeout, run_distributed
 from tests.test_delayed import capture_round_inputs
 from tests.test_deepspeed import S, WORLD, _client_optimizer, _config, _dtype, _full_masters, _full_module, _gather
 from tests.test_deepspeed import _micro_step, _model, _two_groups
+from tests.test_outer_deepspeed import NESTEROV
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -25,6 +27,9 @@ CASES = [("zero0_fp32", 0, "fp32"), ("zero1_bf16", 1, "bf16"), ("zero2_fp32", 2,
          ("zero3_fp32", 3, "fp32")]  # fmt: skip
 SECTION = {"period_group_size": {"4": WORLD}, "warmup_steps": 1, "ranks_per_replica": S, "synchronous_warmup": False,
            "delay_steps": 2}  # fmt: skip
+
+COMPRESSED_SECTION = {**SECTION, "compress": {"4": {"type": "int8", "block": 16}}, "ef_decay": 0.9,
+                      "outer_optimizer": {"4": NESTEROV}}  # fmt: skip
 
 
 def _applied_case(rank, name, stage, prec):
@@ -55,29 +60,37 @@ def _applied_case(rank, name, stage, prec):
     }
 
 
-def _resume_case(rank, name, stage, prec, folder):
+def _resume_case(rank, name, stage, prec, folder, section=SECTION):
+    import torch
+
     import hieravg_optim.deepspeed as hds
+    from hieravg_optim.deepspeed.checkpoint import outer_state_file, replica_checkpoint_dir
 
     def build():
         model = _model()
         return hds.initialize(model=model, model_parameters=_two_groups(model),
-                              config=_config(stage, prec, 1, SECTION, optimizer_section=True))[0]  # fmt: skip
+                              config=_config(stage, prec, 1, section, optimizer_section=True))[0]  # fmt: skip
 
     engine = build()
     for step in range(5):
         _micro_step(engine, rank, step)
     assert hds.get_averaging(engine).averager._delayed.in_flight  # the round of count 4, applied at 6
     engine.save_checkpoint(folder, tag="t5")
+    own = torch.load(outer_state_file(replica_checkpoint_dir(folder, rank // S, "t5"), rank % S), weights_only=True)
+    in_file = [sorted(entry) for entry in own["in_flight"].values()]
     for step in range(5, 8):
         _micro_step(engine, rank, step)
     uninterrupted = _full_module(engine)
     resumed = build()
     resumed.load_checkpoint(folder)
-    in_flight = list(hds.get_averaging(resumed).averager._delayed.in_flight)
+    in_flight = hds.get_averaging(resumed).averager._delayed.in_flight
+    loaded = {"in_flight_loaded": list(in_flight), "compressed": [r.compressed is not None for r in in_flight.values()],
+              "saved_keys": in_file}  # fmt: skip
     for step in range(5, 8):
         _micro_step(resumed, rank, step)
     after = _full_module(resumed)
-    return {"equal": all(a.equal(b) for a, b in zip(uninterrupted, after)), "in_flight_loaded": in_flight}
+    diff = max(float((a - b).abs().max()) for a, b in zip(uninterrupted, after))
+    return {"equal": all(a.equal(b) for a, b in zip(uninterrupted, after)), "diff": diff, **loaded}
 
 
 def _all(rank, world, folder):
@@ -86,6 +99,11 @@ def _all(rank, world, folder):
     out = {name: _applied_case(rank, name, stage, prec) for name, stage, prec in CASES}
     for name, stage, prec in (CASES[2], CASES[3]):
         out["resume_" + name] = _resume_case(rank, name, stage, prec, os.path.join(folder, name))
+    # A compressed round in flight (int8 with error feedback under Nesterov): its gathered payloads travel in each
+    # rank's outer state file.
+    out["resume_compressed_zero1_fp32"] = _resume_case(
+        rank, "compressed", 1, "fp32", os.path.join(folder, "compressed"), COMPRESSED_SECTION
+    )
     return out
 
 
@@ -107,4 +125,16 @@ def test_delayed_round_applies_the_eager_formula_to_the_masters(results, case):
 @pytest.mark.parametrize("case", ["zero2_fp32", "zero3_bf16"])
 def test_deepspeed_resume_with_a_round_in_flight(results, case):
     for r in results:
-        assert r["resume_" + case] == {"equal": True, "in_flight_loaded": [0]}
+        got = r["resume_" + case]
+        assert got["equal"] and got["in_flight_loaded"] == [0] and got["compressed"] == [False], got
+        assert len(got["saved_keys"]) == 1 and "compressed" not in got["saved_keys"][0], got
+
+
+def test_deepspeed_resume_with_a_compressed_round_in_flight(results):
+    """The compressed round of count 4 saved after count 5 (its payloads gathered, in each rank's own outer state
+    file) resumes to the uninterrupted run, bitwise."""
+    for r in results:
+        got = r["resume_compressed_zero1_fp32"]
+        assert got["in_flight_loaded"] == [0] and got["compressed"] == [True], got
+        assert len(got["saved_keys"]) == 1 and "compressed" in got["saved_keys"][0], got  # in this rank's own file
+        assert got["equal"] and got["diff"] == 0.0, got  # the payloads decoded in rank order: bitwise

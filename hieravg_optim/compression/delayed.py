@@ -173,14 +173,25 @@ def encode_round(
     return wire, payloads, works, uncompressed
 
 
-def load_payloads(saved: object, codec: Codec | None, lg: LevelGroup, where: str, device: torch.device) -> CompressedPayloads:
-    """The :class:`CompressedPayloads` of a saved round's ``"compressed"`` entry (:meth:`CompressedPayloads.state`),
-    checked against this level's codec and group; the payloads go to ``device``. Local.
+def load_payloads(
+    entry: Mapping[str, Any], codec: Codec | None, lg: LevelGroup, where: str, device: torch.device
+) -> CompressedPayloads | None:
+    """The :class:`CompressedPayloads` of a saved round in flight (``entry``, whose ``"compressed"`` entry is
+    :meth:`CompressedPayloads.state`), checked against this level's codec (``None``: uncompressed) and group; the
+    payloads go to ``device``. ``None`` for an uncompressed round at an uncompressed level. Local.
 
     Raises:
-        ValueError: naming the round (``where``), for a malformed entry, a level without ``compress`` here, or
-            payloads of another size than this level's codec and group give.
+        ValueError: naming the round (``where``), for a malformed entry, a compressed round at a level without
+            ``compress`` here or the reverse, or payloads of another size than this level's codec and group give.
     """
+    if "compressed" not in entry:
+        if codec is None:
+            return None
+        raise ValueError(
+            f"{where} was saved by an uncompressed level, but this averager compresses it ({codec.describe()}): "
+            "resume with the saved run's compress setting."
+        )
+    saved = entry["compressed"]
     if codec is None:
         raise ValueError(
             f"{where} was saved by a compressed level, but this averager does not compress that level: resume with "

@@ -180,9 +180,9 @@ def compressed_round(
 
     Its arguments and return value are :func:`~hieravg_optim.rounds.average_round`'s, plus the round's
     ``name`` for errors. The tensors the anchors follow (all but the last ``outer_skip_last``, the buffers)
-    travel compressed as the pseudo-gradient ``anchor - theta`` plus the residual; the others are averaged uncompressed in the same round. The level's
-    first round after its anchors were taken averages them first (full precision, once), as an uncompressed
-    outer level does. A subgroup of one rank communicates nothing: a plain compressed level keeps its tensors,
+    travel compressed as the pseudo-gradient ``anchor - theta`` plus the residual; the others are averaged
+    uncompressed in the same round. The level's first round after its anchors were taken averages them first
+    (full precision, once), as an uncompressed outer level does. A subgroup of one rank communicates nothing: a plain compressed level keeps its tensors,
     one with an outer optimizer steps it with its own pseudo-gradient, uncompressed.
 
     .. warning::
