@@ -576,14 +576,20 @@ def _plot_sweep(rows, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(13, 5.5))
-    for r in rows:
+    several = len({(r["contender"], r["outer_lr"], r["outer_momentum"]) for r in rows}) > 1
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(17 if several else 13, 5.5))
+    colors = plt.cm.tab20.colors if len(rows) > 10 else plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, r in enumerate(rows):
         top = r.get("top", {})
         label = f"{_top_label(top)}: {r['final_val_loss']:.4f}"
+        if several:  # name the contender (and its outer optimizer) when the file holds more than one
+            outer = f" {r['outer_lr']:g}/{r['outer_momentum']:g}" if r["outer_lr"] else ""
+            label = f"{r['contender']}{outer}, {label}"
         style = "--" if top.get("delay_correction") == "none" or top.get("ef_decay") == 0 else "-"
         xs, ys = [c[0] for c in r["curve"][1:]], [c[1] for c in r["curve"][1:]]
-        ax.plot(xs, ys, style, marker="o", ms=2.5, label=label)
-        zoom.plot(xs, ys, style, marker="o", ms=2.5, label=label)
+        color = colors[i % len(colors)]
+        ax.plot(xs, ys, style, marker="o", ms=2.5, label=label, color=color)
+        zoom.plot(xs, ys, style, marker="o", ms=2.5, label=label, color=color)
     finals = [r["final_val_loss"] for r in rows]
     ax.set_ylim(min(finals) - 0.1, max(min(finals) + 1.0, max(finals) + 0.3))
     zoom.set_xlim(rows[0]["curve"][-1][0] * 0.6, rows[0]["curve"][-1][0] * 1.02)
@@ -593,7 +599,10 @@ def _plot_sweep(rows, path, title):
         a.set_ylabel("validation loss, nats per byte")
     zoom.set_title("the last 40% of the run", fontsize=10)
     ax.set_title(title, fontsize=9)
-    zoom.legend(fontsize=7)
+    if several:  # outside the plot: one line per row
+        zoom.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        zoom.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

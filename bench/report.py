@@ -26,7 +26,7 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 DOCS_SNIPPETS = os.path.join(ROOT, "docs", "snippets")
 DOCS_IMAGES = os.path.join(ROOT, "docs", "img")
 PLOTS = ("convergence.png", "convergence_chars.png", "convergence_chars_long.png", "convergence_chars_delay.png",
-         "convergence_chars_compress.png")
+         "convergence_chars_compress.png", "convergence_chars_ef.png")
 """Plots under ``bench/results/`` that the performance page shows, copied by ``--docs``."""
 
 
@@ -381,6 +381,7 @@ SECTIONS: tuple[tuple[str, Callable[[dict], str]], ...] = (
     ("averaging", averaging), ("codecs", codecs), ("overhead", overhead), ("convergence", convergence),
     ("convergence_chars", convergence_chars), ("convergence_chars_long", convergence_chars),
     ("convergence_chars_delay", convergence_sweep), ("convergence_chars_compress", convergence_sweep),
+    ("convergence_chars_ef", convergence_sweep),
     ("multinode", multinode), ("multinode_delay", multinode_modes), ("multinode_compress", multinode_modes),
 )
 

@@ -86,7 +86,7 @@ def _reference_round(codec, deltas, residuals, decay):
 
 
 def _bitwise_replicas(rank: int) -> dict:
-    """int8 and top-k with error feedback (decay 1 and 0.5), plain and under outer Nesterov, 3 top-level rounds:
+    """int8 and top-k with error feedback (decay 1, 0.9 and 0.5), plain and under outer Nesterov, 3 top-level rounds:
     bitwise equal replicas, bitwise equal to the reference."""
     from hieravg_optim import nesterov_outer
     from hieravg_optim.compression import Int8Block, TopK
@@ -97,6 +97,9 @@ def _bitwise_replicas(rank: int) -> dict:
         "topk": (TopK(density=0.05, chunk=128, values="int8"), 1.0, None),
         "topk-bf16-decay": (TopK(density=0.1, chunk=64, values="bfloat16"), 0.5, None),
         "int8-nesterov": (Int8Block(256), 0.9, (0.7, 0.9)),
+        # The residual in pseudo-gradient units, added before the outer momentum (MuLoCo's order, no outer lr in
+        # it), the anchors reset to the round's result: top-k's residual is large, so any other order shows.
+        "topk-nesterov": (TopK(density=0.05, chunk=128, values="int8"), 1.0, (0.7, 0.9)),
     }
     for name, (codec, decay, nesterov) in cases.items():
         outer = {4: nesterov_outer(*nesterov)} if nesterov else None

@@ -96,6 +96,18 @@ def _rows_into(work: torch.Tensor, flat: torch.Tensor, first: int, end: int, wid
     return out.view(end - first, width)
 
 
+def _rows_of(work: torch.Tensor, flat: torch.Tensor, first: int, end: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, out)``: rows ``first..end`` of ``flat`` as a ``[end - first, width]`` fp32 tensor, and a view of
+    ``work`` of that shape to write results into. Whole rows of an fp32 ``flat`` are a view of it (not copied,
+    never written); otherwise :func:`_rows_into` copies them into ``work`` and ``rows`` is ``out``."""
+    lo, hi = first * width, end * width
+    out = work[: hi - lo].view(end - first, width)
+    if hi <= flat.numel() and flat.dtype == torch.float32:
+        return flat[lo:hi].view(end - first, width), out
+    rows = _rows_into(work, flat, first, end, width)
+    return rows, rows
+
+
 def _work(rows: int, width: int, slabs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
     """One fp32 buffer for the largest slab of ``slabs``."""
     return torch.empty(max(e - f for f, e in slabs) * width, dtype=torch.float32, device=device)
@@ -158,12 +170,14 @@ class Int8Block:
         slabs = _slabs(blocks, self.block, flat.device)
         work = _work(blocks, self.block, slabs, flat.device)
         for first, end in slabs:
-            rows = _rows_into(work, flat, first, end, self.block)
+            rows, out = _rows_of(work, flat, first, end, self.block)
             s = torch.linalg.vector_norm(rows, float("inf"), dim=1).div_(_INT8_MAX)
             scales[first:end].copy_(s)
-            # A zero block has scale 0: divide by 1 instead (its values are 0 anyway).
-            rows.div_(torch.where(s > 0, s, 1.0).unsqueeze(1)).round_().clamp_(-_INT8_MAX, _INT8_MAX)
-            q[first * self.block : end * self.block].copy_(rows.view(-1))
+            # A zero block has scale 0: divide by 1 instead (its values are 0 anyway). The division reads the
+            # input and writes the buffer: one pass, no copy of the input first.
+            torch.div(rows, torch.where(s > 0, s, 1.0).unsqueeze(1), out=out)
+            out.round_().clamp_(-_INT8_MAX, _INT8_MAX)
+            q[first * self.block : end * self.block].copy_(out.view(-1))
         return payload
 
     def decode_add_(self, payload: torch.Tensor, out: torch.Tensor) -> None:
