@@ -21,6 +21,7 @@ from .averaging import BucketPool
 from .checkpoint import AveragingStateMixin
 from .config import AveragingConfig, check_log_metrics_every
 from .delayed import DelayedRounds
+from .fragments import piece_view
 from .groups import LevelGroup, build_level_groups, group_timeout, timed_process_group, timeout_seconds
 from .metrics import LevelMetrics, MetricsMixin, bytes_sent
 from .nonfinite import repair_skipped_replica_state
@@ -167,7 +168,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         """Log :meth:`metrics` through ``logging`` at INFO every this many steps (``None``: never)."""
         self.outer_state_device: torch.device | None = device
         """Where anchors and outer optimizer state live; ``None``: each tensor's own device."""
-        self._outers = OuterLevels(config.levels, factories, device)
+        self._outers = OuterLevels(config.levels, factories, device, config.fragments)
         self._delayed: DelayedRounds | None = (
             DelayedRounds(config, self.process_group, self.level_groups)
             if config.delay_steps or config.fragments
@@ -333,7 +334,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         for li, fragment, positions in rounds:
             touched.append(li)
             if not delayed.active(li):
-                part = chosen if len(positions) == len(chosen) else [chosen[i] for i in positions]
+                part = [piece_view(chosen, p) for p in positions]  # the tensors themselves where whole
                 self.average(li, part, error=error, context=extra)
                 continue
             round_ = delayed.start(

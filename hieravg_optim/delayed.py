@@ -5,8 +5,8 @@ non-finite vote, synchronously), copies the round's tensors (the *snapshot*: loc
 and all-reduces the copy in the background (asynchronous collectives on packed copies; a Python thread for
 node-aware levels and the checked float16 wire), over process groups of its own, while the next ``tau`` inner
 steps run; the round is applied at count ``t + tau`` (:class:`DelayedRounds`). A level with ``fragments``
-``F > 1`` splits its tensors into ``F`` fragments, each with its own round at staggered counts
-(:func:`fragment_of`, :meth:`DelayedRounds.plan`). The settings are fields of
+``F > 1`` splits its tensors into ``F`` fragments of element ranges (:mod:`hieravg_optim.fragments`: a boundary
+may fall inside a tensor), each with its own round at staggered counts (:meth:`DelayedRounds.plan`). The settings are fields of
 :class:`~hieravg_optim.AveragingConfig`; the semantics, with a worked example, are in ``docs/semantics.md``.
 
 Sources: Streaming DiLoCo (https://arxiv.org/abs/2501.18512: fragments, overlapping, the mixing weight),
@@ -32,42 +32,16 @@ from .averaging.checked_wire import CHECKED_WIRE
 from .comm_dtype import wire_dtype
 from .config import AveragingConfig
 from .faults import named_collective
+from .fragments import Piece, fragment_of, level_splits, piece_view, plan_pieces, split_fragments, split_key
 from .groups import LevelGroup, build_level_groups, timeout_seconds
 from .metrics import LevelMetrics, bytes_sent
 from .nonfinite import has_nonfinite, skip_nonfinite
 from .rounds import _sync_anchors, replica_vote, round_name
 from ._validation import is_int
-from .schedule import fragment_offsets, period_of_key
+from .schedule import period_of_key
 from .tensors import local_tensor
 
 __all__ = ["DelayedRounds", "InFlightRound", "split_fragments"]
-
-
-def split_fragments(nbytes: Sequence[int], fragments: int) -> list[range]:
-    """Split tensors of ``nbytes`` bytes each (in order) into ``fragments`` consecutive, non-empty runs of about
-    equal bytes: each boundary is the one nearest to ``j * total / fragments`` that leaves every run a tensor.
-    Pure.
-
-    Raises:
-        ValueError: for more fragments than tensors.
-    """
-    n = len(nbytes)
-    if fragments > n:
-        raise ValueError(
-            f"fragments={fragments} at this level, but its rounds average {n} tensors: fragments are split by whole "
-            f"tensors, so at most {n} fit. Pass fragments={max(n, 1)} or fewer for this level."
-        )
-    cumulative = [0]
-    for b in nbytes:
-        cumulative.append(cumulative[-1] + b)
-    total = cumulative[-1]
-    bounds = [0]
-    for j in range(1, fragments):
-        lo, hi = bounds[-1] + 1, n - (fragments - j)
-        target = j * total / fragments
-        bounds.append(min(range(lo, hi + 1), key=lambda k: (abs(cumulative[k] - target), k)))
-    bounds.append(n)
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _pack(
@@ -92,13 +66,6 @@ def _pack(
     return views
 
 
-def fragment_of(count: int, period: int, fragments: int) -> int | None:
-    """The fragment of a level whose round starts at ``count`` (``count % period`` is its offset), or ``None``."""
-    offsets = fragment_offsets(period, fragments)
-    phase = count % period
-    return offsets.index(phase) if phase in offsets else None
-
-
 @dataclass(eq=False)
 class InFlightRound:
     """One round started and not yet applied, on this rank."""
@@ -106,8 +73,9 @@ class InFlightRound:
     level_index: int
     fragment: int | None
     """The fragment's index (``None``: the level has one fragment)."""
-    indices: tuple[int, ...]
-    """The positions, in the list of tensors the averager is given, of the round's tensors."""
+    pieces: tuple[Piece, ...]
+    """The round's pieces ``(position, start, stop)``: element ranges of the tensors the averager is given
+    (:mod:`hieravg_optim.fragments`); a whole tensor is ``(position, 0, numel)``."""
     started: int
     """The count the round started at (its snapshot's count ``t``)."""
     apply_at: int
@@ -171,6 +139,28 @@ class InFlightRound:
             torch.cuda.current_stream(self.wire[0].device).wait_event(self.done)
             self.done = None
         self.finished = True
+
+
+def _saved_pieces(entry: Mapping[str, Any], result: Sequence[torch.Tensor]) -> tuple[Piece, ...] | None:
+    """The pieces of a saved round, or ``None`` if malformed; ``"positions"`` (whole tensors) as saved before
+    fragments were element ranges."""
+    if "pieces" not in entry:
+        positions = entry["positions"]
+        if not isinstance(positions, (list, tuple)) or len(positions) != len(result) or not all(map(is_int, positions)):
+            return None
+        return tuple((int(i), 0, t.numel()) for i, t in zip(positions, result))
+    pieces = entry["pieces"]
+    if not isinstance(pieces, (list, tuple)) or len(pieces) != len(result):
+        return None
+    out = []
+    for p, t in zip(pieces, result):
+        if not isinstance(p, (list, tuple)) or len(p) != 3 or not all(map(is_int, p)):
+            return None
+        i, a, b = map(int, p)
+        if i < 0 or not 0 <= a <= b or b - a != t.numel():
+            return None
+        out.append((i, a, b))
+    return tuple(out)
 
 
 class DelayedRounds:
@@ -237,48 +227,36 @@ class DelayedRounds:
                 starting.append(li)
         return starting[:1]
 
-    def fragments_of(self, tensors: Sequence[torch.Tensor]) -> dict[int, list[range]]:
-        """Per level with fragments, its fragments as runs of positions in ``tensors`` (cached by the sizes)."""
-        key = tuple(local_tensor(t).numel() * t.element_size() for t in tensors)
-        if self._split is None or self._split[0] != key:
-            split = {i: split_fragments(key, f) for i, f in enumerate(self.fragments) if f > 1}
-            self._split = (key, split)
-        return self._split[1]
-
-    def plan(self, count: int, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int | None, tuple[int, ...]]]:
-        """The rounds that start at ``count``: ``(level index, fragment or None, positions)``, in level order.
-
-        Each tensor follows the largest level due for it at ``count``: a level with one fragment at the multiples of
-        its period, a fragment at its own counts (:func:`fragment_of`). Pure, given the tensors' sizes.
+    def fragments_of(self, tensors: Sequence[torch.Tensor]) -> dict[int, list[tuple[Piece, ...]]]:
+        """Per level with fragments, its fragments as pieces of ``tensors`` (:func:`split_fragments` of the local
+        tensors' sizes, element sizes and contiguity; cached by them).
 
         Raises:
-            ValueError: for more fragments than tensors (the same on every rank of a group that agrees on them).
+            ValueError: for more fragments than elements (from :func:`split_fragments`).
+        """
+        key = split_key(tensors)
+        if self._split is None or self._split[0] != key:
+            self._split = (key, level_splits(key, self.fragments))
+        return self._split[1]
+
+    def plan(self, count: int, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int | None, tuple[Piece, ...]]]:
+        """The rounds that start at ``count``: ``(level index, fragment or None, pieces)``, in level order
+        (:func:`hieravg_optim.fragments.plan_pieces`: each element follows the largest level due for it). Pure,
+        given the tensors' sizes, so the same on every rank holding the same local shapes.
+
+        Raises:
+            ValueError: for more fragments than elements (the same on every rank of a group that agrees on them).
         """
         split = self.fragments_of(tensors) if any(f > 1 for f in self.fragments) else {}
-        winners: dict[int, list[int]] = {}
-        frag_of_level: dict[int, int | None] = {}
-        for position in range(len(tensors)):
-            for li in range(len(self.config.levels) - 1, -1, -1):
-                period, f = self.config.levels[li].period, self.fragments[li]
-                if f == 1:
-                    if count % period == 0:
-                        winners.setdefault(li, []).append(position)
-                        frag_of_level[li] = None
-                        break
-                    continue
-                j = fragment_of(count, period, f)
-                if j is not None and position in split[li][j]:
-                    winners.setdefault(li, []).append(position)
-                    frag_of_level[li] = j
-                    break
-        return [(li, frag_of_level[li], tuple(winners[li])) for li in sorted(winners)]
+        numels = [local_tensor(t).numel() for t in tensors]
+        return plan_pieces(count, self.config.levels, self.fragments, numels, split)
 
     # -- start -------------------------------------------------------------------------------------------------
     def start(
         self,
         level_index: int,
         fragment: int | None,
-        indices: tuple[int, ...],
+        pieces: tuple[Piece, ...],
         tensors: Sequence[torch.Tensor],
         *,
         count: int,
@@ -290,7 +268,7 @@ class DelayedRounds:
         error: BaseException | None,
         context: Mapping[str, object] | None,
     ) -> InFlightRound:
-        """Start the round of ``level_index`` (fragment ``fragment``) over ``tensors[indices]`` at ``count``.
+        """Start the round of ``level_index`` (fragment ``fragment``) over the ``pieces`` of ``tensors`` at ``count``.
 
         Synchronously, as the synchronous round: the outer level's local checks, the non-finite check (one read of
         each tensor) and the replica's vote, the agreement check over the level's group, the non-finite policy, and,
@@ -314,7 +292,7 @@ class DelayedRounds:
             error = outers.error(level_index, tensors, count, config.warmup_steps)
         if outer is not None and outer.anchors is None:
             outer = None
-        chosen = [tensors[i] for i in indices]
+        chosen = [piece_view(tensors, p) for p in pieces]
         begin = time.perf_counter()
         comm_dtype = config.comm_dtype[level_index] if config.comm_dtype else None
         eager = self.corrections[level_index] == "eager" and tau > 0
@@ -338,7 +316,7 @@ class DelayedRounds:
                     context={
                         "step count": count,
                         "bucket_cap_mb": config.bucket_cap_mb,
-                        "fragment (positions)": (fragment, indices),
+                        "fragment (pieces)": (fragment, pieces),
                         "delay_steps": tau,
                         **outers.context(level_index),
                         **(context or {}),
@@ -372,7 +350,7 @@ class DelayedRounds:
             flats: list[torch.Tensor] = []
             wire = _pack(local, comm_dtype, flats, zeros=replaced) if flat else [t.clone() for t in local]
         round_ = InFlightRound(
-            level_index=level_index, fragment=fragment, indices=indices, started=count, apply_at=count + tau,
+            level_index=level_index, fragment=fragment, pieces=pieces, started=count, apply_at=count + tau,
             name=name, wire=wire, snapshot=snapshot, replaced=replaced, divisor=divisor, ranks=lg.ranks,
             timeout_s=timeout_seconds(config, lg.group) if lg.group is not None else None,
         )  # fmt: skip
@@ -453,16 +431,24 @@ class DelayedRounds:
         begin = time.perf_counter()
         round_.wait()
         li = round_.level_index
-        if max(round_.indices, default=-1) >= len(tensors):
+        last = max((i for i, _, _ in round_.pieces), default=-1)
+        if last >= len(tensors):
             raise RuntimeError(
                 f"{round_.name} is applied at step {round_.apply_at} to {len(tensors)} tensors, but it started with "
-                f"tensor positions up to {max(round_.indices)}: keep the averaged tensors fixed while a round is in flight."
+                f"tensor positions up to {last}: keep the averaged tensors fixed while a round is in flight."
             )
-        live = [local_tensor(tensors[i]) for i in round_.indices]
-        for i, (t, w) in enumerate(zip(live, round_.wire)):
+        for i, _, stop in round_.pieces:
+            if stop > local_tensor(tensors[i]).numel():
+                raise RuntimeError(
+                    f"{round_.name}: tensor {i} has {local_tensor(tensors[i]).numel()} elements at step "
+                    f"{round_.apply_at}, but the round started with its elements up to {stop}: keep the averaged "
+                    "tensors fixed while a round is in flight."
+                )
+        live = [local_tensor(piece_view(tensors, p)) for p in round_.pieces]
+        for (i, _, _), t, w in zip(round_.pieces, live, round_.wire):
             if t.shape != w.shape:
                 raise RuntimeError(
-                    f"{round_.name}: tensor {round_.indices[i]} has shape {tuple(t.shape)} at step "
+                    f"{round_.name}: tensor {i} has shape {tuple(t.shape)} at step "
                     f"{round_.apply_at}, but {tuple(w.shape)} when the round started: keep the averaged "
                     "tensors fixed while a round is in flight."
                 )
@@ -470,9 +456,9 @@ class DelayedRounds:
         outer = outers.by_level[li]
         if outer is not None and outer.anchors is not None:
             n_anchored = len(tensors) - outers.skip_last
-            stepped = [k for k, i in enumerate(round_.indices) if i < n_anchored]
+            stepped = [k for k, (i, _, _) in enumerate(round_.pieces) if i < n_anchored]
             if stepped:
-                outer.step([result[k] for k in stepped], [round_.indices[k] for k in stepped])
+                outer.step([result[k] for k in stepped], [round_.pieces[k] for k in stepped])
                 metrics.pseudo_grad_norm = outer.pseudo_grad_norm
         alpha = self.mixing[li]
         eager = round_.snapshot is not None
@@ -487,7 +473,9 @@ class DelayedRounds:
             if alpha:
                 value = (1.0 - alpha) * value + alpha * t.to(compute)
             t.copy_(value)
-        if self.fragments[li] == 1 and len(round_.indices) == len(tensors):
+        if self.fragments[li] == 1 and len(round_.pieces) == len(tensors) and all(
+            a == 0 and b == local_tensor(tensors[i]).numel() for i, a, b in round_.pieces
+        ):
             outers.reset_lower(li, tensors)
             if eager or alpha:  # the replicas kept their own progress: the lower anchors differ across them
                 for o in outers.by_level[:li]:
@@ -502,9 +490,10 @@ class DelayedRounds:
     # -- checkpoints -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[int, dict[str, Any]]:
         """The rounds in flight, each waited for first (its collective completes; no tensor changes): per period
-        ``{"fragment", "positions", "started", "apply_at", "result", "snapshot", "replaced", "payload"}``,
-        ``result`` this rank's copies all-reduced (the mean over the group) and ``snapshot`` its ``theta_t`` (or
-        ``None``), the tensors themselves, sharded like the averaged tensors. Empty when none is in flight.
+        ``{"fragment", "pieces", "started", "apply_at", "result", "snapshot", "replaced", "payload"}``,
+        ``pieces`` the round's element ranges ``[position, start, stop]``, ``result`` this rank's copies all-reduced
+        (the mean over the group) and ``snapshot`` its ``theta_t`` (or ``None``), one tensor per piece, sharded like
+        the averaged tensors. Empty when none is in flight.
 
         Raises:
             CollectiveError: if a round's collective failed (see :meth:`InFlightRound.wait`).
@@ -513,7 +502,7 @@ class DelayedRounds:
         for li, r in sorted(self.in_flight.items()):
             r.wait()
             out[self.config.levels[li].period] = {
-                "fragment": r.fragment, "positions": list(r.indices), "started": r.started, "apply_at": r.apply_at,
+                "fragment": r.fragment, "pieces": [list(p) for p in r.pieces], "started": r.started, "apply_at": r.apply_at,
                 "result": r.wire, "snapshot": r.snapshot, "replaced": r.replaced, "payload": r.payload,
             }  # fmt: skip
         return out
@@ -539,8 +528,8 @@ class DelayedRounds:
                     f"{self.config.delay_steps}). Resume with the saved run's delay_steps and fragments."
                 )
             li = periods.index(period)
-            keys = {"fragment", "positions", "started", "apply_at", "result", "snapshot", "replaced"}
-            if not isinstance(entry, Mapping) or not keys <= set(entry):
+            keys = {"fragment", "pieces", "started", "apply_at", "result", "snapshot", "replaced"}
+            if not isinstance(entry, Mapping) or not keys - {"pieces"} <= set(entry) or not {"pieces", "positions"} & set(entry):
                 raise ValueError(f"{where} must be a mapping with the keys {sorted(keys)}, as state_dict() saves it.")
             result, snapshot = entry["result"], entry["snapshot"]
             tensors_ok = isinstance(result, (list, tuple)) and all(torch.is_tensor(t) for t in result)
@@ -548,9 +537,12 @@ class DelayedRounds:
                 tensors_ok = tensors_ok and isinstance(snapshot, (list, tuple)) and len(snapshot) == len(result) and all(
                     torch.is_tensor(t) and t.shape == w.shape for t, w in zip(snapshot, result)
                 )
-            positions = entry["positions"]
-            if not tensors_ok or not isinstance(positions, (list, tuple)) or len(positions) != len(result):
-                raise ValueError(f"{where}: 'result', 'snapshot' and 'positions' must be lists of tensors (and ints) of one length.")
+            pieces = _saved_pieces(entry, result) if tensors_ok else None
+            if pieces is None:
+                raise ValueError(
+                    f"{where}: 'result', 'snapshot' and 'pieces' must be lists of one length, of tensors and of "
+                    "[position, start, stop] (stop - start elements each), as state_dict() saves them."
+                )
             started, apply_at = entry["started"], entry["apply_at"]
             if not (is_int(started) and is_int(apply_at) and started < step <= apply_at == started + self.delays[li]):
                 raise ValueError(
@@ -558,7 +550,7 @@ class DelayedRounds:
                     f"count {step} and delay_steps={self.delays[li]} here: resume with the saved run's settings."
                 )
             rounds[li] = InFlightRound(
-                level_index=li, fragment=entry["fragment"], indices=tuple(int(i) for i in positions), started=started,
+                level_index=li, fragment=entry["fragment"], pieces=pieces, started=started,
                 apply_at=apply_at, name=f"{round_name(started, self.level_groups[li])[:-1]}, delayed, resumed)",
                 wire=list(result), snapshot=None if snapshot is None else list(snapshot),
                 replaced=bool(entry["replaced"]), payload=int(entry.get("payload", 0)), finished=True,
