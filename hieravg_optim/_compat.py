@@ -53,10 +53,13 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: dist
     fn(output, input, op=dist.ReduceOp.SUM, group=group)
 
 
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """All-gather ``input`` into ``output`` over ``group`` (``dist.all_gather_single`` where torch has it)."""
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False
+) -> Any:
+    """All-gather ``input`` into ``output`` over ``group`` (``dist.all_gather_single`` where torch has it); with
+    ``async_op``, returns the work to wait for."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, input, group=group)
+    return fn(output, input, group=group, async_op=async_op)
 
 
 def process_group_timeout(group: dist.ProcessGroup) -> timedelta | None:

@@ -163,6 +163,13 @@ class OuterLevel:
             "the averaged tensors fixed, or take the anchors again after changing them."
         )
 
+    def at_params(self, per_anchor: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``per_anchor`` (tensors shaped like the anchors, e.g. the residuals) as :attr:`params` are: themselves,
+        or their views ``t.view(-1)[start:stop]`` at :attr:`pieces`."""
+        if self.pieces is None:
+            return list(per_anchor)
+        return [per_anchor[i].view(-1)[a:b] for i, a, b in self.pieces]
+
     @torch.no_grad()
     def step_with(
         self, grads: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], indices: Sequence[int] | None = None
@@ -296,6 +303,19 @@ class OuterLevels:
         split = level_splits(split_key(tensors), (outer.fragments,))[0]
         anchored = len(tensors) - self.skip_last
         return tuple(p for fragment in split for p in fragment if p[0] < anchored)
+
+    def params_of(self, outer: OuterLevel, pieces: Sequence[Piece], n_tensors: int) -> list[int | None]:
+        """Per piece of a round over ``n_tensors`` averaged tensors: the index of its outer tensor in ``outer``'s
+        :attr:`OuterLevel.params`, or ``None`` for a buffer (the last :attr:`skip_last` tensors, without anchors).
+
+        Raises:
+            RuntimeError: from :meth:`OuterLevel.param_indices`.
+        """
+        anchored = [k for k, (i, _, _) in enumerate(pieces) if i < n_tensors - self.skip_last]
+        out: list[int | None] = [None] * len(pieces)
+        for k, index in zip(anchored, outer.param_indices([pieces[k] for k in anchored])):
+            out[k] = index
+        return out
 
     def take(self, tensors: Sequence[torch.Tensor], *, agree_over: dist.ProcessGroup | None = None) -> None:
         """Take the anchors of every level at ``tensors``; on a failure, no level keeps any.

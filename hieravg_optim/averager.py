@@ -133,12 +133,14 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         else:
             # Local checks; a failure on some ranks only is raised on every rank by the agreement below.
             error: BaseException | None = None
+            value: object = None
             try:
                 config = config.updated(**given) if given else config
                 config.check_world_size(self.world_size)
-            except (TypeError, ValueError) as exc:
+                value = config.agreement_value()
+            except Exception as exc:  # noqa: BLE001 - any error of the checks (a warning as error too)
                 error = exc
-            agree_across_ranks("the averaging config", config.agreement_value(), self.process_group, error=error)
+            agree_across_ranks("the averaging config", value, self.process_group, error=error)
         self.config = config
         factories, device = config.outer_factories, config.outer_state_device
         self.level_groups: list[LevelGroup] = build_level_groups(config, self.process_group)

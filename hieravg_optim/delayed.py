@@ -25,18 +25,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .agreement import check_agreement
 from .anchors import OuterLevels
 from .averaging import BucketPool, average_tensors_
 from .averaging.checked_wire import CHECKED_WIRE
 from .comm_dtype import wire_dtype
+from .compression.delayed import CompressedPayloads, encode_round, load_payloads
+from .compression.round import residual_error
 from .config import AveragingConfig
 from .faults import named_collective
 from .fragments import Piece, fragment_of, level_splits, piece_view, plan_pieces, split_fragments, split_key
 from .groups import LevelGroup, build_level_groups, timeout_seconds
 from .metrics import LevelMetrics, bytes_sent
-from .nonfinite import has_nonfinite, skip_nonfinite
-from .rounds import _sync_anchors, replica_vote, round_name
+from .nonfinite import has_nonfinite
+from .round_start import agree_round, sync_anchors
+from .rounds import round_name
 from ._validation import is_int
 from .schedule import period_of_key
 from .tensors import local_tensor
@@ -103,11 +105,16 @@ class InFlightRound:
     flats: list = field(default_factory=list)
     """The packed copies :attr:`wire` views, one per device and wire dtype, divided by :attr:`divide_by` after."""
     divide_by: float = 1.0
+    compressed: CompressedPayloads | None = None
+    """A compressed level's payloads (``compress``): :attr:`wire` then holds the averaged buffers only, and
+    stand-ins of the anchored tensors' shapes."""
 
     def nbytes(self) -> int:
-        """Bytes this round holds on this rank: its copies (and the snapshot)."""
-        held = self.wire + (self.snapshot or [])
-        return sum(t.numel() * t.element_size() for t in held)
+        """Bytes this round holds on this rank: its copies (and the snapshot), or its payloads."""
+        skip = set(self.compressed.anchored) if self.compressed is not None else set()
+        held = [w for k, w in enumerate(self.wire) if k not in skip] + (self.snapshot or [])
+        extra = self.compressed.nbytes() if self.compressed is not None else 0
+        return extra + sum(t.numel() * t.element_size() for t in held)
 
     def wait(self) -> None:
         """Wait for the collective; re-raise its error, a failed collective as a ``CollectiveError`` naming the round.
@@ -292,43 +299,30 @@ class DelayedRounds:
             error = outers.error(level_index, tensors, count, config.warmup_steps)
         if outer is not None and outer.anchors is None:
             outer = None
+        codec = config.level_compress(level_index) if outer is not None and lg.group is not None else None
+        if codec is not None and error is None:
+            error = residual_error(outer, outers.part(tensors), lg)
         chosen = [piece_view(tensors, p) for p in pieces]
         begin = time.perf_counter()
         comm_dtype = config.comm_dtype[level_index] if config.comm_dtype else None
         eager = self.corrections[level_index] == "eager" and tau > 0
-        replaced, divisor = False, None
+        replaced, divisor, bad = False, None, []
         if lg.group is not None:
             with torch.no_grad(), named_collective(name, lg.ranks, timeout_s=timeout_seconds(config, lg.group)):
                 unsynced = outer is not None and not outer.synced
-                nonfinite = None
-                if config.nonfinite != "ignore":
-                    try:
-                        local = has_nonfinite([local_tensor(t) for t in chosen]) or (
-                            unsynced and has_nonfinite(outer.anchors)
-                        )
-                    except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
-                        local, error = False, error or exc
-                    nonfinite = replica_vote(local, name, config, replica_group, replica_ranks)
-                bad = check_agreement(
-                    chosen,
-                    lg.group,
-                    lg.ranks,
-                    context={
-                        "step count": count,
-                        "bucket_cap_mb": config.bucket_cap_mb,
-                        "fragment (pieces)": (fragment, pieces),
-                        "delay_steps": tau,
-                        **outers.context(level_index),
-                        **(context or {}),
-                    },
+                bad, divisor = agree_round(
+                    chosen, config=config, process_group=self.process_group, lg=lg, step=count, name=name,
                     what=f"the parameters to average at step {count} ({name})",
-                    error=error,
-                    nonfinite=nonfinite,
-                )
-                divisor = skip_nonfinite(config, self.process_group, lg, bad, name, anchors=unsynced) if bad else None
+                    context={"fragment (pieces)": (fragment, pieces), "delay_steps": tau,
+                             **({"compress": codec.describe()} if codec is not None else {}),
+                             **outers.context(level_index), **(context or {})},
+                    error=error, replica_group=replica_group, replica_ranks=replica_ranks, anchors_unsynced=unsynced,
+                    local_nonfinite=lambda: has_nonfinite([local_tensor(t) for t in chosen])
+                    or (unsynced and has_nonfinite(outer.anchors)),
+                )  # fmt: skip
                 replaced = dist.get_rank() in bad
                 if unsynced:
-                    metrics.payload_bytes += _sync_anchors(
+                    metrics.payload_bytes += sync_anchors(
                         outer, lg, outers.part(tensors), pool, config, replaced, divisor
                     )
         elif error is not None:
@@ -348,14 +342,23 @@ class DelayedRounds:
             where = config.outer_state_device
             snapshot = [t.to(device=where or t.device, copy=True) for t in local] if eager and not replaced else None
             flats: list[torch.Tensor] = []
-            wire = _pack(local, comm_dtype, flats, zeros=replaced) if flat else [t.clone() for t in local]
+            if codec is not None:
+                wire = []  # encode_round's
+            else:
+                wire = _pack(local, comm_dtype, flats, zeros=replaced) if flat else [t.clone() for t in local]
         round_ = InFlightRound(
             level_index=level_index, fragment=fragment, pieces=pieces, started=count, apply_at=count + tau,
             name=name, wire=wire, snapshot=snapshot, replaced=replaced, divisor=divisor, ranks=lg.ranks,
             timeout_s=timeout_seconds(config, lg.group) if lg.group is not None else None,
         )  # fmt: skip
         metrics.rounds_started += 1
-        if lg.group is None:
+        if codec is not None:  # the payloads travel instead (hieravg_optim.compression.delayed)
+            round_.wire, round_.compressed, round_.works, round_.payload = encode_round(
+                local, outers.params_of(outer, pieces, len(tensors)), outer=outer, codec=codec, config=config,
+                level_index=level_index, lg=lg, background=bg.group, pool=pool, divisor=divisor, bad=bad,
+                replaced=replaced, metrics=metrics, what=name,
+            )  # fmt: skip
+        elif lg.group is None:
             round_.finished = True
         else:
             kwargs = dict(
@@ -454,7 +457,13 @@ class DelayedRounds:
                 )
         result = round_.wire
         outer = outers.by_level[li]
-        if outer is not None and outer.anchors is not None:
+        if round_.compressed is not None:
+            assert outer is not None
+            result = list(result)
+            decoded = round_.compressed.result(outers.params_of(outer, round_.pieces, len(tensors)), outer, live, metrics)
+            for k, r in zip(round_.compressed.anchored, decoded):
+                result[k] = r
+        elif outer is not None and outer.anchors is not None:
             n_anchored = len(tensors) - outers.skip_last
             stepped = [k for k, (i, _, _) in enumerate(round_.pieces) if i < n_anchored]
             if stepped:
@@ -504,6 +513,7 @@ class DelayedRounds:
             out[self.config.levels[li].period] = {
                 "fragment": r.fragment, "pieces": [list(p) for p in r.pieces], "started": r.started, "apply_at": r.apply_at,
                 "result": r.wire, "snapshot": r.snapshot, "replaced": r.replaced, "payload": r.payload,
+                **({"compressed": r.compressed.state()} if r.compressed is not None else {}),
             }  # fmt: skip
         return out
 
@@ -556,6 +566,16 @@ class DelayedRounds:
                 replaced=bool(entry["replaced"]), payload=int(entry.get("payload", 0)), finished=True,
                 ranks=self.level_groups[li].ranks,
             )  # fmt: skip
+            lg = self.level_groups[li]
+            codec = self.config.level_compress(li) if lg.group is not None else None
+            if "compressed" in entry or codec is not None:
+                if "compressed" not in entry:
+                    raise ValueError(
+                        f"{where} was saved by an uncompressed level, but this averager compresses it ({codec.describe()}): "
+                        "resume with the saved run's compress setting."
+                    )
+                device = result[0].device if result else torch.device("cpu")
+                rounds[li].compressed = load_payloads(entry["compressed"], codec, lg, where, device)
         return rounds
 
     def load_state(self, rounds: dict[int, InFlightRound]) -> None:

@@ -201,15 +201,16 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
                     f"{type(tensors_to_average).__name__}: pass e.g. lambda: [...], so that tensors the inner "
                     "optimizer creates at its first step (fp32 master weights) are looked up at each round."
                 )
+            kept = [b for b in (() if buffers is None else buffers) if b.is_floating_point()]
             params = unique_params(optimizer.param_groups)
             if dist.is_available() and dist.is_initialized():
                 check_dtensor_layout(params, own_subgroups(config, process_group))
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any error of the checks (NotImplementedError, a warning as error)
             # Raised here; the other ranks of process_group raise a RuntimeError naming this rank
             # (in the agreement they are about to enter) instead of waiting for it.
             raise_on_every_rank(exc, process_group, "the averaging config")
         self.optimizer = optimizer
-        self.buffers = [b for b in (() if buffers is None else buffers) if b.is_floating_point()]
+        self.buffers = kept
         self._tensors_fn = tensors_to_average
         self.average_frozen = config.average_frozen
         """Whether parameters with ``requires_grad=False`` are averaged too (else skipped)."""

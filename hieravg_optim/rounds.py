@@ -12,18 +12,18 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .agreement import check_agreement
-from .anchors import OuterLevel, OuterLevels
+from .anchors import OuterLevels
 from .averaging import BucketPool, Prescaled, average_tensors_, prescale_checked_
 from .compression.round import compressed_round
 from .config import AveragingConfig
 from .faults import named_collective
 from .groups import LevelGroup, timeout_seconds
 from .metrics import LevelMetrics, bytes_sent
-from .nonfinite import has_nonfinite, skip_nonfinite
-from .replica import average_within_replica, replica_any
+from .nonfinite import has_nonfinite
+from .replica import average_within_replica
+from .round_start import agree_round, replica_vote, sync_anchors
 
-__all__ = ["average_round", "average_round_within_replica", "replica_vote", "round_name"]
+__all__ = ["average_round", "average_round_within_replica", "replica_vote", "round_name"]  # replica_vote: its old path
 
 
 def round_name(step: int, lg: LevelGroup) -> str:
@@ -77,7 +77,7 @@ def average_round(
         return compressed_round(
             tensors, config=config, process_group=process_group, level_index=level_index, lg=lg, step=step,
             outers=outers, metrics=metrics, pool=pool, replica_group=replica_group, replica_ranks=replica_ranks,
-            error=error, context=context, name=round_name(step, lg), sync_anchors=_sync_anchors,
+            error=error, context=context, name=round_name(step, lg),
         )  # fmt: skip
     if outer is not None and error is None:
         error = outers.error(level_index, tensors, step, config.warmup_steps)
@@ -101,39 +101,29 @@ def average_round(
         # construction) and enter this round's mean of anchors: a non-finite one is checked as the tensors are.
         unsynced = outer is not None and not outer.synced
         comm_dtype = config.comm_dtype[level_index] if config.comm_dtype else None
-        nonfinite = None
-        prescaled: Prescaled | None = None
+        held: list[Prescaled] = []
+
+        def local_nonfinite() -> bool:
+            # The check fused into the division of the tensors reduced in place (see prescale_checked_).
+            prescaled = prescale_checked_(
+                tensors, lg.size, bucket_cap_bytes=config.bucket_cap_bytes, comm_dtype=comm_dtype, node=lg.node
+            )
+            held.append(prescaled)
+            return prescaled.nonfinite or (unsynced and has_nonfinite(outer.anchors))
+
         try:
-            if config.nonfinite != "ignore":
-                try:
-                    # The check fused into the division of the tensors reduced in place (see prescale_checked_).
-                    prescaled = prescale_checked_(
-                        tensors, lg.size, bucket_cap_bytes=config.bucket_cap_bytes, comm_dtype=comm_dtype, node=lg.node
-                    )
-                    local = prescaled.nonfinite or (unsynced and has_nonfinite(outer.anchors))
-                except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
-                    local, error = False, error or exc
-                nonfinite = replica_vote(local, name, config, replica_group, replica_ranks)
-            bad = check_agreement(
-                tensors,
-                lg.group,
-                lg.ranks,
-                context={
-                    "step count": step,
-                    "bucket_cap_mb": config.bucket_cap_mb,
-                    **outers.context(level_index),
-                    **(context or {}),
-                },
+            bad, divisor = agree_round(
+                tensors, config=config, process_group=process_group, lg=lg, step=step, name=name,
                 what=f"the parameters to average at step {step} (period {lg.level.period}, group size "
                 f"{lg.level.group_size})",
-                error=error,
-                nonfinite=nonfinite,
-            )
-            divisor = skip_nonfinite(config, process_group, lg, bad, name, anchors=unsynced) if bad else None
+                context={**outers.context(level_index), **(context or {})}, error=error, replica_group=replica_group,
+                replica_ranks=replica_ranks, local_nonfinite=local_nonfinite, anchors_unsynced=unsynced,
+            )  # fmt: skip
         except BaseException:
-            if prescaled is not None:  # the round does not run: every tensor back as it was
-                prescaled.undo()
+            if held:  # the round does not run: every tensor back as it was
+                held[0].undo()
             raise
+        prescaled = held[0] if held else None
         if bad and prescaled is not None:
             # A non-finite replica (the rare path): the finite replicas' sum is divided after the all-reduce instead.
             prescaled.undo()
@@ -154,7 +144,7 @@ def average_round(
         )
         if outer is not None:
             if not outer.synced:
-                payload += _sync_anchors(outer, lg, outers.part(tensors), pool, config, replaced, divisor)
+                payload += sync_anchors(outer, lg, outers.part(tensors), pool, config, replaced, divisor)
             outer.step(outers.part(tensors))
             metrics.pseudo_grad_norm = outer.pseudo_grad_norm
     outers.reset_lower(level_index, tensors)
@@ -163,56 +153,6 @@ def average_round(
     metrics.bytes_sent += bytes_sent(payload, lg)
     metrics.seconds += time.perf_counter() - start
     return replaced
-
-
-def replica_vote(
-    local: bool, name: str, config: AveragingConfig, replica_group: dist.ProcessGroup | None, replica_ranks: list[int]
-) -> bool:
-    """Whether any rank of this rank's replica holds non-finite tensors before the round ``name`` (``local``: this
-    rank's), agreed over the replica, not the level's group, so that a hung peer there is named as such.
-
-    .. warning::
-        Collective over the replica's group (one int64; nothing with one rank per replica).
-    """
-    with named_collective(
-        f"the agreement of the replica's ranks on whether it is finite, before {name}",
-        replica_ranks,
-        timeout_s=timeout_seconds(config, replica_group),
-    ):
-        return replica_any(local, replica_group)
-
-
-def _sync_anchors(
-    outer: OuterLevel,
-    lg: LevelGroup,
-    tensors: Sequence[torch.Tensor],
-    pool: BucketPool,
-    config: AveragingConfig,
-    skipped: bool,
-    divisor: int | None,
-) -> int:
-    """Average ``outer``'s anchors over ``lg`` (fp32, on the tensors' devices); returns the payload in bytes.
-
-    Run at the level's first round after the anchors were taken, whose local copies may differ across
-    replicas (e.g. without a synchronous warm-up). A rank ``skipped`` for non-finite tensors adds nothing.
-    """
-    assert outer.anchors is not None
-    staged = [a if a.device == t.device else a.to(t.device) for a, t in zip(outer.anchors, tensors)]
-    payload = average_tensors_(
-        staged,
-        lg.group,
-        lg.size,
-        bucket_cap_bytes=config.bucket_cap_bytes,
-        pool=pool,
-        divisor=divisor,
-        node=lg.node,
-        contribute_zeros=skipped,
-    )
-    for a, s in zip(outer.anchors, staged):
-        if a is not s:
-            a.copy_(s)
-    outer.synced = True
-    return payload
 
 
 def average_round_within_replica(

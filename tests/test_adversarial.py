@@ -58,6 +58,26 @@ def _group_still_works(rank: int, world_size: int) -> None:
 # --------------------------------------------------------------------------------------------------
 # Core scenarios (4 ranks)
 # --------------------------------------------------------------------------------------------------
+class _BrokenGroups:
+    """An optimizer whose ``param_groups`` raise: a RuntimeError while the settings are checked."""
+
+    @property
+    def param_groups(self):
+        raise RuntimeError("param_groups failed on this rank")
+
+    def step(self):
+        pass
+
+
+def _averager_warning_as_error(error: bool, world_size: int):
+    """HierarchicalAverager with a config that warns (period 1), the warning an error on this rank if ``error``."""
+    from hieravg_optim import AveragingConfig, HierarchicalAverager
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error" if error else "ignore")
+        return HierarchicalAverager(AveragingConfig.create({1: world_size}))
+
+
 def _one_rank_bad_config(rank: int, world_size: int) -> list:
     """A config that is invalid on rank 1 only: rank 1 raises the ValueError / TypeError naming the value,
     every other rank a RuntimeError naming rank 1 and that error, at once (before: they waited in the
@@ -80,6 +100,14 @@ def _one_rank_bad_config(rank: int, world_size: int) -> list:
          TypeError, "optimizer must be a torch.optim.Optimizer"),
         ("metrics", lambda: HierarchicalAveragingOptimizer(inner, full, log_metrics_every=0 if rank == 1 else None),
          ValueError, "log_metrics_every must be a positive integer"),
+        # Any exception of the checks, not only TypeError / ValueError, reaches the agreement.
+        ("not implemented", lambda: HierarchicalAveragingOptimizer(
+            inner, full, compress={4: "int8"}, delay_steps={4: 2}, ranks_per_node=2 if rank == 1 else None),
+         NotImplementedError, "on a node-aware level (ranks_per_node=2) is not supported"),
+        ("param_groups", lambda: HierarchicalAveragingOptimizer(_BrokenGroups() if rank == 1 else inner, full),
+         RuntimeError, "param_groups failed on this rank"),
+        ("warning as error", lambda: _averager_warning_as_error(rank == 1, world_size),
+         UserWarning, "The largest period in period_group_size is 1"),
     ]  # fmt: skip
     out = []
     for label, build, exc_type, needle in cases:
@@ -309,7 +337,8 @@ def core():
 def test_config_bad_on_one_rank_raises_on_every_rank(core):
     for rank, r in enumerate(core):
         names = [name for _, name in r["one_rank_bad_config"]]
-        assert names == (["ValueError"] * 4 + ["TypeError", "ValueError"] if rank == 1 else ["RuntimeError"] * 6)
+        expected = ["ValueError"] * 4 + ["TypeError", "ValueError", "NotImplementedError", "RuntimeError", "UserWarning"]
+        assert names == (expected if rank == 1 else ["RuntimeError"] * 9)
 
 
 def test_checkpoint_loaded_on_some_ranks_raises_at_the_first_step(core):

@@ -111,12 +111,14 @@ def test_fragment_offsets_and_spacing():
     assert fragment_spacing(32, 10) == 3
 
 
-def test_compress_with_a_delay_or_fragments_at_one_level_is_refused():
-    """Not supported yet at the same level: a clear error at construction, on every rank (local check)."""
-    with pytest.raises(NotImplementedError, match=r"compress at period 32 together with delay_steps=4 / fragments=1"):
-        AveragingConfig.create({4: 2, 32: 4}, compress={32: "int8"}, delay_steps={32: 4})
-    with pytest.raises(NotImplementedError, match=r"fragments=2 at the same level"):
-        AveragingConfig.create({4: 2, 32: 4}, compress={32: "int8"}, fragments={32: 2})
+def test_compress_with_a_delay_or_fragments_at_one_level():
+    """They compose at one level, except node-aware (a clear error at construction, on every rank: local check)."""
+    config = AveragingConfig.create({4: 2, 32: 4}, compress={32: "int8"}, delay_steps={32: 4}, fragments={32: 2})
+    assert config.level_compress(1) is not None and config.delay_steps == (0, 4) and config.fragments == (1, 2)
+    with pytest.raises(NotImplementedError, match=r"compress at period 32 together with delay_steps=4 / fragments=1 on a node-aware"):
+        AveragingConfig.create({4: 2, 32: 8}, compress={32: "int8"}, delay_steps={32: 4}, ranks_per_node=4)
+    # ranks_per_node that makes no level node-aware (one rank per node in the group) is fine.
+    AveragingConfig.create({4: 2, 32: 4}, compress={32: "int8"}, fragments={32: 2}, ranks_per_node=1)
     with pytest.raises(ValueError, match=r"outer optimizer or compress \(which keep anchors\) at the lower period"):
         AveragingConfig.create({4: 2, 32: 4}, compress={4: "int8"}, fragments={32: 4})
     # On different levels they compose: the delayed level above, the compressed one below.

@@ -27,27 +27,26 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .._compat import all_gather_single, reduce_scatter_single
 from .._handover import hand_over
-from ..agreement import check_agreement
 from ..anchors import OuterLevel, OuterLevels
 from ..averaging import BucketPool, average_tensors_
 from ..config import AveragingConfig
 from ..faults import named_collective
 from ..groups import LevelGroup, NodeGroups, timeout_seconds
 from ..metrics import LevelMetrics, bytes_sent
-from ..nonfinite import has_nonfinite, skip_nonfinite
+from ..nonfinite import has_nonfinite
 from ..outer import PLAIN_OUTER
-from ..replica import replica_any
+from ..round_start import agree_round, sync_anchors
 from ..tensors import local_tensor
 from .codecs import Codec
 
-__all__ = ["apply_mean", "compressed_round", "compute_payload", "decode_mean", "exchange"]
+__all__ = ["apply_mean", "compressed_round", "compute_payload", "decode_mean", "exchange", "residual_error"]
 
 
 def _flat(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -141,7 +140,8 @@ def _residual_shapes(local: Sequence[torch.Tensor], node: NodeGroups | None) -> 
     return [(-(-numel // node.local_size),)]
 
 
-def _local_error(outer: OuterLevel, local: Sequence[torch.Tensor], lg: LevelGroup) -> BaseException | None:
+def residual_error(outer: OuterLevel, local: Sequence[torch.Tensor], lg: LevelGroup) -> BaseException | None:
+    """The error of residuals (loaded from a checkpoint) whose shapes do not fit the round's, or ``None``. Local."""
     if outer.residuals is None:
         return None
     have = [tuple(r.shape) for r in outer.residuals]
@@ -175,14 +175,12 @@ def compressed_round(
     error: BaseException | None = None,
     context: Mapping[str, object] | None = None,
     name: str,
-    sync_anchors: Callable[..., int],
 ) -> bool:
     """A round of a compressed level whose anchors are taken: :func:`hieravg_optim.rounds.average_round` for it.
 
     Its arguments and return value are :func:`~hieravg_optim.rounds.average_round`'s, plus the round's
-    ``name`` for errors and the uncompressed round's average of the anchors, ``sync_anchors``. The tensors the anchors
-    follow (all but the last ``outer_skip_last``, the buffers) travel compressed as the pseudo-gradient
-    ``anchor - theta`` plus the residual; the others are averaged uncompressed in the same round. The level's
+    ``name`` for errors. The tensors the anchors follow (all but the last ``outer_skip_last``, the buffers)
+    travel compressed as the pseudo-gradient ``anchor - theta`` plus the residual; the others are averaged uncompressed in the same round. The level's
     first round after its anchors were taken averages them first (full precision, once), as an uncompressed
     outer level does. A subgroup of one rank communicates nothing: a plain compressed level keeps its tensors,
     one with an outer optimizer steps it with its own pseudo-gradient, uncompressed.
@@ -219,36 +217,16 @@ def compressed_round(
     with torch.no_grad(), named_collective(name, lg.ranks, timeout_s=timeout_seconds(config, lg.group)):
         unsynced = not outer.synced
         if error is None:
-            error = _local_error(outer, local, lg)
-        nonfinite = None
-        if config.nonfinite != "ignore":
-            try:  # before anything is compressed: a non-finite delta is a non-finite tensor (or anchor)
-                flag = has_nonfinite([*local, *rest]) or (unsynced and has_nonfinite(outer.anchors))
-            except Exception as exc:  # noqa: BLE001 - raised on every rank of the group by the agreement
-                flag, error = False, error or exc
-            with named_collective(
-                f"the agreement of the replica's ranks on whether it is finite, before {name}",
-                replica_ranks,
-                timeout_s=timeout_seconds(config, replica_group),
-            ):
-                nonfinite = replica_any(flag, replica_group)
-        bad = check_agreement(
-            tensors,
-            lg.group,
-            lg.ranks,
-            context={
-                "step count": step,
-                "bucket_cap_mb": config.bucket_cap_mb,
-                "compress": codec.describe(),
-                **outers.context(level_index),
-                **(context or {}),
-            },
+            error = residual_error(outer, local, lg)
+        bad, divisor = agree_round(
+            tensors, config=config, process_group=process_group, lg=lg, step=step, name=name,
             what=f"the parameters to average at step {step} (period {lg.level.period}, group size "
             f"{lg.level.group_size})",
-            error=error,
-            nonfinite=nonfinite,
-        )
-        divisor = skip_nonfinite(config, process_group, lg, bad, name, anchors=unsynced) if bad else None
+            context={"compress": codec.describe(), **outers.context(level_index), **(context or {})}, error=error,
+            replica_group=replica_group, replica_ranks=replica_ranks, anchors_unsynced=unsynced,
+            # before anything is compressed: a non-finite delta is a non-finite tensor (or anchor)
+            local_nonfinite=lambda: has_nonfinite([*local, *rest]) or (unsynced and has_nonfinite(outer.anchors)),
+        )  # fmt: skip
         replaced = dist.get_rank() in bad
         comm_dtype = config.comm_dtype[level_index] if config.comm_dtype else None
         payload = 0

@@ -204,7 +204,7 @@ def _agree(local: Local) -> None:
     if local.averaging_config is not None:
         try:
             check_world_size(local.settings, local.averaging_config, dist.get_world_size())
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 - any error of the check (a warning as error too), on every rank
             error = exc
         value: object = {**local.averaging_config.agreement_value(), "average_buffers": local.settings.average_buffers}
     else:

@@ -126,20 +126,20 @@ class FSDPHierarchicalAveragingOptimizer(HierarchicalAveragingOptimizer):
         synchronous_warmup: bool = True,
         **settings: Any,
     ) -> None:
-        if "ranks_per_replica" in settings:
-            raise TypeError(
-                f"ranks_per_replica={settings['ranks_per_replica']!r} given to FSDPHierarchicalAveragingOptimizer: it "
-                "is the size of the mesh's \"shard\" dimension. Remove it."
-            )
-        for name in settings:
-            if name not in _SETTINGS:
-                raise TypeError(f"FSDPHierarchicalAveragingOptimizer() got an unexpected keyword argument {name!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group() first.")
         try:
+            if "ranks_per_replica" in settings:
+                raise TypeError(
+                    f"ranks_per_replica={settings['ranks_per_replica']!r} given to FSDPHierarchicalAveragingOptimizer: "
+                    "it is the size of the mesh's \"shard\" dimension. Remove it."
+                )
+            for name in settings:
+                if name not in _SETTINGS:
+                    raise TypeError(f"FSDPHierarchicalAveragingOptimizer() got an unexpected keyword argument {name!r}")
             _, shards = check_replicate_shard_mesh(mesh)
             self._fsdp_version, self._flat_params, self._flat_members = validate_module(module, optimizer, mesh)
-        except (TypeError, ValueError, NotImplementedError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any error of the checks
             # Raised here; the other ranks raise a RuntimeError naming this rank in the agreement of the
             # averager they are about to build (the constructor's one agreement collective).
             raise_on_every_rank(exc, None, "the FSDP module and mesh")
