@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .agreement import agree_across_ranks
 from .anchors import OuterLevels
 from .averaging import BucketPool, average_tensors_
 from .averaging.checked_wire import CHECKED_WIRE
@@ -33,7 +34,9 @@ from .compression.delayed import CompressedPayloads, encode_round, load_payloads
 from .compression.round import residual_error
 from .config import AveragingConfig
 from .faults import named_collective
-from .fragments import Piece, fragment_of, level_splits, piece_view, plan_pieces, split_fragments, split_key
+from .fragments import (
+    Piece, fragment_of, landing_error, level_splits, piece_view, plan_pieces, split_fragments, split_key, tensor_marks,
+)
 from .groups import LevelGroup, build_level_groups, timeout_seconds
 from .metrics import LevelMetrics, bytes_sent
 from .nonfinite import has_nonfinite
@@ -105,6 +108,9 @@ class InFlightRound:
     flats: list = field(default_factory=list)
     """The packed copies :attr:`wire` views, one per device and wire dtype, divided by :attr:`divide_by` after."""
     divide_by: float = 1.0
+    marks: tuple | None = None
+    """:func:`~hieravg_optim.fragments.tensor_marks` of the tensors at the start, checked at the apply (``None``:
+    not known, a round resumed from a checkpoint)."""
     compressed: CompressedPayloads | None = None
     """A compressed level's payloads (``compress``): :attr:`wire` then holds the averaged buffers only, and
     stand-ins of the anchored tensors' shapes."""
@@ -350,6 +356,7 @@ class DelayedRounds:
             level_index=level_index, fragment=fragment, pieces=pieces, started=count, apply_at=count + tau,
             name=name, wire=wire, snapshot=snapshot, replaced=replaced, divisor=divisor, ranks=lg.ranks,
             timeout_s=timeout_seconds(config, lg.group) if lg.group is not None else None,
+            marks=tensor_marks(tensors, pieces),
         )  # fmt: skip
         metrics.rounds_started += 1
         if codec is not None:  # the payloads travel instead (hieravg_optim.compression.delayed)
@@ -417,10 +424,22 @@ class DelayedRounds:
     # -- apply -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def apply(
-        self, round_: InFlightRound, tensors: Sequence[torch.Tensor], *, outers: OuterLevels, metrics: LevelMetrics
+        self,
+        round_: InFlightRound,
+        tensors: Sequence[torch.Tensor],
+        *,
+        outers: OuterLevels,
+        metrics: LevelMetrics,
+        error: BaseException | None = None,
+        agree: bool = True,
     ) -> None:
-        """Wait for ``round_`` and apply it to ``tensors`` (the live tensors at its apply count), in place. Local,
-        once the collective has completed.
+        """Wait for ``round_`` and apply it to ``tensors`` (the live tensors at its apply count), in place.
+
+        First the ranks of the level's group agree that each can apply it (one all-gather of two int64 per rank,
+        on the main groups; skipped with ``agree=False``, for a round applied at its start count): ``tensors``
+        are those the round started with (:func:`~hieravg_optim.fragments.landing_error`: the same positions,
+        storage and elements) and ``error`` (this rank's failed step callback) is ``None``. Otherwise every rank
+        of the group raises, and no rank applies the round.
 
         With ``R`` the mean (or, with an outer optimizer, the anchors after the outer step on ``anchor - R``):
         ``"eager"`` gives ``R + (theta - snapshot)``, ``"none"`` gives ``R``; then ``delay_mixing`` ``alpha`` gives
@@ -429,24 +448,31 @@ class DelayedRounds:
 
         Raises:
             CollectiveError, WireOverflowError: from :meth:`InFlightRound.wait`.
-            RuntimeError: if the tensors at the apply count are not those of the start (their number or shapes).
+            RuntimeError: on every rank of the group, if on some rank the tensors at the apply count are not those
+                of the start (another tensor at a position, e.g. a parameter frozen while the round was in flight,
+                fewer tensors or elements), or ``error`` was given (that rank raises ``error`` itself).
+
+        .. warning::
+            Collective over the level's group (with ``agree``).
         """
         begin = time.perf_counter()
         round_.wait()
         li = round_.level_index
-        last = max((i for i, _, _ in round_.pieces), default=-1)
-        if last >= len(tensors):
-            raise RuntimeError(
-                f"{round_.name} is applied at step {round_.apply_at} to {len(tensors)} tensors, but it started with "
-                f"tensor positions up to {last}: keep the averaged tensors fixed while a round is in flight."
-            )
-        for i, _, stop in round_.pieces:
-            if stop > local_tensor(tensors[i]).numel():
-                raise RuntimeError(
-                    f"{round_.name}: tensor {i} has {local_tensor(tensors[i]).numel()} elements at step "
-                    f"{round_.apply_at}, but the round started with its elements up to {stop}: keep the averaged "
-                    "tensors fixed while a round is in flight."
-                )
+        problem = error or landing_error(round_.name, round_.apply_at, round_.pieces, tensors, round_.marks)
+        outer = outers.by_level[li]
+        if problem is None and outer is not None and outer.anchors is not None:
+            try:
+                params_of = outers.params_of(outer, round_.pieces, len(tensors))
+            except RuntimeError as exc:
+                problem = exc
+        lg = self.level_groups[li]
+        if agree and lg.group is not None:
+            agree_across_ranks(
+                f"the tensors {round_.name} is applied to at step {round_.apply_at}", None, lg.group, error=problem,
+                fix="Every rank must keep the averaged tensors fixed while a round is in flight.",
+            )  # fmt: skip
+        elif problem is not None:
+            raise problem
         live = [local_tensor(piece_view(tensors, p)) for p in round_.pieces]
         for (i, _, _), t, w in zip(round_.pieces, live, round_.wire):
             if t.shape != w.shape:
@@ -456,11 +482,10 @@ class DelayedRounds:
                     "tensors fixed while a round is in flight."
                 )
         result = round_.wire
-        outer = outers.by_level[li]
         if round_.compressed is not None:
             assert outer is not None
             result = list(result)
-            decoded = round_.compressed.result(outers.params_of(outer, round_.pieces, len(tensors)), outer, live, metrics)
+            decoded = round_.compressed.result(params_of, outer, live, metrics)
             for k, r in zip(round_.compressed.anchored, decoded):
                 result[k] = r
         elif outer is not None and outer.anchors is not None:

@@ -22,8 +22,8 @@ from .schedule import AveragingLevel, fragment_offsets
 from .tensors import local_tensor
 
 __all__ = [
-    "Piece", "fragment_of", "level_splits", "piece_view", "pieces_text", "plan_pieces", "split_fragments", "split_key",
-    "whole_pieces",
+    "Piece", "fragment_of", "landing_error", "level_splits", "piece_view", "pieces_text", "plan_pieces",
+    "split_fragments", "split_key", "tensor_marks", "whole_pieces",
 ]
 
 Piece = tuple[int, int, int]
@@ -210,3 +210,50 @@ def level_splits(key: Sequence[tuple[int, int, bool]], fragments: Sequence[int])
     """
     numels, sizes, divisible = [k[0] for k in key], [k[1] for k in key], [k[2] for k in key]
     return {i: split_fragments(numels, sizes, f, divisible) for i, f in enumerate(fragments) if f > 1}
+
+
+def tensor_marks(tensors: Sequence[torch.Tensor], pieces: Sequence[Piece]) -> tuple[tuple[int, int, str, int], ...]:
+    """What identifies the tensors ``pieces`` fall in, per piece: the local tensor's address, elements and dtype,
+    and the number of ``tensors``. A round keeps the marks of its start and compares them at its apply count
+    (:func:`landing_error`): the same marks mean the same tensors (their storage), not merely tensors of the same
+    shapes at the same positions. Local, no copy."""
+    marks = []
+    for i, _, _ in pieces:
+        t = local_tensor(tensors[i])
+        marks.append((t.data_ptr(), t.numel(), str(t.dtype), len(tensors)))
+    return tuple(marks)
+
+
+def landing_error(
+    name: str, count: int, pieces: Sequence[Piece], tensors: Sequence[torch.Tensor], marks: Sequence[tuple] | None
+) -> RuntimeError | None:
+    """Why a round started over ``pieces`` (with :func:`tensor_marks` ``marks``; ``None``: not known, a resumed
+    round) cannot be applied to ``tensors`` at ``count``, or ``None`` if it can: a position past the list, a tensor
+    with fewer elements, or another tensor (storage) than at the start, e.g. a parameter frozen while the round was
+    in flight, which moves the others up the list. Local."""
+    fix = (
+        "keep the averaged tensors fixed while a round is in flight (freeze or add parameters at a count without a "
+        "round in flight, e.g. after apply_rounds_in_flight), or resume from a checkpoint."
+    )
+    last = max((i for i, _, _ in pieces), default=-1)
+    if last >= len(tensors):
+        return RuntimeError(
+            f"{name} is applied at step {count} to {len(tensors)} tensors, but it started with tensor positions up "
+            f"to {last}: {fix}"
+        )
+    for k, (i, _, stop) in enumerate(pieces):
+        t = local_tensor(tensors[i])
+        if stop > t.numel():
+            return RuntimeError(
+                f"{name}: tensor {i} has {t.numel()} elements at step {count}, but the round started with its "
+                f"elements up to {stop}: {fix}"
+            )
+        if marks is not None and (t.data_ptr(), t.numel(), str(t.dtype), len(tensors)) != tuple(marks[k]):
+            _, numel, dtype, n = marks[k]
+            return RuntimeError(
+                f"{name} is applied at step {count} to other tensors than it started with: tensor {i} of "
+                f"{len(tensors)} is {t.numel()} {t.dtype} elements at another address, but was {numel} {dtype} "
+                f"elements of {n} tensors at the start (the list changed, e.g. a parameter was frozen or added). "
+                f"The round is not applied, on any rank: {fix}"
+            )
+    return None

@@ -315,8 +315,65 @@ def _overlap_is_real(rank, world):
     split = HierarchicalAverager(AveragingConfig.create({4: world}, fragments=3))
     with pytest.raises(ValueError, match=r"fragments=3 at this level, but its rounds average 2 elements on this rank \(2 tensors\).*fragments=2"):
         split.step_and_average(lambda: [torch.zeros(1), torch.zeros(1)])
+    _worked_example(rank)
+    _landing_is_checked_on_every_rank(rank)
     dist.barrier()
     return True
+
+
+def _documented_table() -> dict[str, list[tuple[float, float]]]:
+    """The worked example's table of docs/semantics.md: per setting, (rank 0, rank 1) after each count."""
+    import re
+
+    from tests.launch import ROOT
+
+    text = (ROOT / "docs" / "semantics.md").read_text().split("<!-- worked-example:delayed -->", 1)[1]
+    rows = re.findall(r"^\| (\d+) \|[^|]*\|(.*)\|$", text.split("\n\n", 1)[0], re.M)
+    assert [int(c) for c, _ in rows] == list(range(7)), rows
+    columns = list(zip(*[[tuple(map(float, c.split("/"))) for c in cells.split("|")] for _, cells in rows]))
+    return dict(zip(["eager", "none", "none_mixing"], map(list, columns)))
+
+
+def _worked_example(rank):
+    """docs/semantics.md's worked example, as the library runs it: {4: 2}, delay_steps=2, rank r adds r + 1."""
+    from hieravg_optim import AveragingConfig, HierarchicalAverager
+
+    settings = {"eager": {}, "none": {"delay_correction": "none"}, "none_mixing": {"delay_correction": "none", "delay_mixing": 0.5}}
+    for key, expected in _documented_table().items():
+        averager = HierarchicalAverager(AveragingConfig.create({4: 2}, delay_steps=2, **settings[key]))
+        tensors = [torch.zeros(1)]
+        for count in range(7):
+            tensors[0] += rank + 1
+            averager.step_and_average(lambda: tensors)
+            assert tensors[0].item() == expected[count][rank], (key, count, tensors[0].item(), expected[count])
+
+
+def _landing_is_checked_on_every_rank(rank):
+    """A round lands on the tensors it started from, else every rank raises and none applies it: a tensor list
+    that changed in flight (a parameter frozen: its neighbour moves to its position, same shape), on every rank or
+    on one; a step callback failing at a count where a round is only applied."""
+    from hieravg_optim import AveragingConfig, HierarchicalAverager
+
+    for fragments, who in ((2, (0, 1)), (1, (1,))):
+        averager = HierarchicalAverager(AveragingConfig.create({4: 2}, delay_steps=1, fragments=fragments))
+        a, b, c = (torch.full((3,), 10.0 * (k + 1) + rank) for k in range(3))
+        averager.step_and_average(lambda: [a, b, c])  # count 0: fragment 0 (a, then b[0:2]) or the whole round starts
+        frozen = [b, c] if rank in who else [a, b, c]
+        before = [t.clone() for t in (a, b, c)]
+        mine = r"applied at step 1 to other tensors than it started with: tensor 0 of 2" if fragments == 2 else r"to 2 tensors, but it started with tensor positions up to 2"
+        with pytest.raises(RuntimeError, match=mine if rank in who else r"Rank 1 failed while checking the tensors .* is applied to at step 1"):
+            averager.step_and_average(lambda: frozen)
+        assert all(torch.equal(x, y) for x, y in zip(before, (a, b, c)))  # applied nowhere
+    averager = HierarchicalAverager(AveragingConfig.create({4: 2}, delay_steps=1))
+    averager.step_and_average(lambda: [a])
+
+    def failing():
+        if rank == 0:
+            raise OSError("the callback of rank 0")
+        return [a]
+
+    with pytest.raises(OSError if rank == 0 else RuntimeError, match=r"the callback of rank 0"):
+        averager.step_and_average(failing)  # count 1: the round is only applied; rank 1 raises too, no hang
 
 
 def test_round_runs_in_the_background_and_lands_at_t_plus_tau():
