@@ -123,6 +123,30 @@ def test_vectorized_no_python_loop_per_block():
 
 
 @pytest.mark.parametrize(
+    "codec",
+    [Int8Block(256), Int8Block(3000), TopK(density=0.01), TopK(density=0.1, chunk=3000, values="bfloat16")],
+    ids=["int8", "int8-3000", "topk", "topk-3000-bf16"],
+)
+def test_slabs_equal_one_pass(codec, monkeypatch):
+    # On the CPU the codecs work in slabs of rows (cache-sized temporaries); slab edges must change no bit: the
+    # same payload and the same decoded sum as one pass over every row (the path of other devices).
+    from hieravg_optim.compression import codecs
+
+    x = torch.randn(700_001, generator=torch.Generator().manual_seed(3)) * torch.rand(700_001).pow(4)
+    x[:5000] = 0  # whole zero blocks and chunks
+    slabbed = codec.encode(x)
+    out = torch.ones(codec.padded_numel(x.numel()))
+    codec.decode_add_(slabbed, out)
+    assert len(codecs._slabs(-(-x.numel() // 3000), 3000, x.device)) > 1
+    monkeypatch.setattr(codecs, "_SLAB", 1 << 30)
+    one_pass = codec.encode(x)
+    expected = torch.ones(codec.padded_numel(x.numel()))
+    codec.decode_add_(one_pass, expected)
+    assert torch.equal(slabbed, one_pass)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(
     "make, match",
     [
         (lambda: Int8Block(0), "positive integer"),

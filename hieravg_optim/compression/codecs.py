@@ -3,7 +3,9 @@
 A codec turns a flat tensor of ``numel`` elements into one ``uint8`` payload whose size depends on
 ``numel`` only (:meth:`payload_nbytes`), so that the payloads of a group's ranks all-gather into one
 buffer, and back: :meth:`decode_add_` adds a payload's values into an fp32 accumulator. Every operation is a
-handful of vectorized torch ops on the tensor's device (no Python loop per block or chunk); decoding is
+handful of vectorized torch ops on the tensor's device (no Python loop per block or chunk): on the CPU over
+slabs of many blocks (about 1 MiB of fp32 each, so that the temporaries stay in cache and none is as large as
+the tensor), elsewhere over the whole tensor at once; rows are independent, so slabs change no bit. Decoding is
 elementwise or a scatter of distinct indices, so the same payload decodes to the same bits on every rank.
 
 Payload layout: the sections (scales, indices, values) one after the other, each starting at a multiple of
@@ -69,12 +71,34 @@ def _section(payload: torch.Tensor, where: tuple[int, torch.dtype, int]) -> torc
     return payload[offset : offset + numel * size].view(dtype)
 
 
-def _padded_rows(flat: torch.Tensor, width: int) -> torch.Tensor:
-    """``flat`` (1-D) as fp32 rows of ``width`` elements, the last one padded with zeros."""
-    rows = -(-flat.numel() // width)
-    out = torch.zeros(rows * width, dtype=torch.float32, device=flat.device)
-    out[: flat.numel()] = flat
-    return out.view(rows, width)
+_SLAB = 1 << 18
+"""Elements per slab on the CPU (1 MiB of fp32): a slab's temporaries stay in cache."""
+
+
+def _slabs(rows: int, width: int, device: torch.device) -> list[tuple[int, int]]:
+    """The ``(first, end)`` row ranges that an operation over ``rows`` rows of ``width`` elements runs in.
+
+    On the CPU, slabs of about :data:`_SLAB` elements (at least one row), so that every temporary stays in cache
+    and no full-size temporary is allocated (the loop is per slab of many blocks, not per block); on another
+    device, one slab of every row (one kernel per operation)."""
+    per = max(1, _SLAB // width) if device.type == "cpu" else max(1, rows)
+    return [(first, min(rows, first + per)) for first in range(0, rows, per)]
+
+
+def _rows_into(work: torch.Tensor, flat: torch.Tensor, first: int, end: int, width: int) -> torch.Tensor:
+    """Rows ``first..end`` of ``flat`` (1-D) cut into rows of ``width``, the last one padded with zeros: copied
+    into the fp32 buffer ``work`` and returned as a ``[end - first, width]`` view of it."""
+    lo, hi = first * width, min(flat.numel(), end * width)
+    out = work[: (end - first) * width]
+    out[: hi - lo].copy_(flat[lo:hi])
+    if hi - lo < out.numel():
+        out[hi - lo :].zero_()
+    return out.view(end - first, width)
+
+
+def _work(rows: int, width: int, slabs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """One fp32 buffer for the largest slab of ``slabs``."""
+    return torch.empty(max(e - f for f, e in slabs) * width, dtype=torch.float32, device=device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +152,18 @@ class Int8Block:
         payload = torch.zeros(total, dtype=torch.uint8, device=flat.device)
         if flat.numel() == 0:
             return payload
-        rows = _padded_rows(flat, self.block)
-        scales = rows.abs().amax(dim=1) / _INT8_MAX
-        # A zero block has scale 0: divide by 1 instead (its values are 0 anyway).
-        q = torch.round(rows / torch.where(scales > 0, scales, 1.0).unsqueeze(1)).clamp_(-_INT8_MAX, _INT8_MAX)
-        _section(payload, where["scales"]).copy_(scales)
-        _section(payload, where["q"]).copy_(q.view(-1))
+        flat = flat.detach().reshape(-1)
+        blocks = -(-flat.numel() // self.block)
+        scales, q = _section(payload, where["scales"]), _section(payload, where["q"])
+        slabs = _slabs(blocks, self.block, flat.device)
+        work = _work(blocks, self.block, slabs, flat.device)
+        for first, end in slabs:
+            rows = _rows_into(work, flat, first, end, self.block)
+            s = torch.linalg.vector_norm(rows, float("inf"), dim=1).div_(_INT8_MAX)
+            scales[first:end].copy_(s)
+            # A zero block has scale 0: divide by 1 instead (its values are 0 anyway).
+            rows.div_(torch.where(s > 0, s, 1.0).unsqueeze(1)).round_().clamp_(-_INT8_MAX, _INT8_MAX)
+            q[first * self.block : end * self.block].copy_(rows.view(-1))
         return payload
 
     def decode_add_(self, payload: torch.Tensor, out: torch.Tensor) -> None:
@@ -144,7 +174,9 @@ class Int8Block:
             return
         scales = _section(payload, where["scales"])
         q = _section(payload, where["q"]).view(blocks, self.block)
-        out.view(blocks, self.block).addcmul_(q.to(torch.float32), scales.unsqueeze(1))
+        rows = out.view(blocks, self.block)
+        for first, end in _slabs(blocks, self.block, out.device):
+            rows[first:end].addcmul_(q[first:end].to(torch.float32), scales[first:end].unsqueeze(1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,15 +268,22 @@ class TopK:
         payload = torch.zeros(total, dtype=torch.uint8, device=flat.device)
         if flat.numel() == 0:
             return payload
-        rows = _padded_rows(flat, self.chunk)
-        index = rows.abs().topk(self.k, dim=1, sorted=False).indices
-        kept = rows.gather(1, index)
-        if self.values == "int8":
-            scales = kept.abs().amax(dim=1) / _INT8_MAX
-            kept = torch.round(kept / torch.where(scales > 0, scales, 1.0).unsqueeze(1)).clamp_(-_INT8_MAX, _INT8_MAX)
-            _section(payload, where["scales"]).copy_(scales)
-        _section(payload, where["index"]).copy_(index.view(-1))
-        _section(payload, where["values"]).copy_(kept.view(-1))
+        flat = flat.detach().reshape(-1)
+        chunks, k = -(-flat.numel() // self.chunk), self.k
+        index_out, values_out = _section(payload, where["index"]), _section(payload, where["values"])
+        slabs = _slabs(chunks, self.chunk, flat.device)
+        work = _work(chunks, self.chunk, slabs, flat.device)
+        for first, end in slabs:
+            rows = _rows_into(work, flat, first, end, self.chunk)
+            index = rows.abs().topk(k, dim=1, sorted=False).indices
+            kept = rows.gather(1, index)
+            if self.values == "int8":
+                scales = kept.abs().amax(dim=1) / _INT8_MAX
+                kept = kept.div_(torch.where(scales > 0, scales, 1.0).unsqueeze(1)).round_()
+                kept.clamp_(-_INT8_MAX, _INT8_MAX)
+                _section(payload, where["scales"])[first:end].copy_(scales)
+            index_out[first * k : end * k].copy_(index.view(-1))
+            values_out[first * k : end * k].copy_(kept.view(-1))
         return payload
 
     def decode_add_(self, payload: torch.Tensor, out: torch.Tensor) -> None:
