@@ -5,6 +5,8 @@ each replica is saved to its own folder ``replica_<r>`` over its ``"shard"`` pro
 Model and optimizer go through ``get_state_dict`` / ``set_state_dict``; the averaging state
 (step count, levels) is saved beside them.
 
+Delayed rounds in flight are saved per rank too, as one object per shard index, ``in_flight.shard_<k>``.
+
 The outer optimizers' anchors, and each outer-state tensor shaped like its anchor (SGD's
 momentum buffer, Adam's moments), are local shards that differ across the ranks of a replica.
 As plain tensors under one key DCP would keep one rank's copy, so they are saved as DTensors
@@ -138,6 +140,11 @@ def save_checkpoint(
     ``outer.shard_<k>``, ``k`` being the rank's shard index. Anchors on another device than the mesh's
     (``outer_state_device="cpu"``) are saved from there, without a copy.
 
+    Delayed rounds in flight (``delay_steps``): :meth:`HierarchicalAverager.state_dict` waits for their
+    collectives (no tensor changes), and each rank's rounds (the all-reduced copies and the snapshot of its
+    local shards, their pieces and counts) are one object under ``in_flight.shard_<k>``, written by that rank
+    only; :func:`load_checkpoint` restores them (the same mesh shape), and they are applied at their counts.
+
     .. warning:: Collective over the default process group: every rank must call this.
 
     Args:
@@ -223,7 +230,15 @@ def _load_replica(
         state[_OUTER] = outer_template
     if any(key.startswith(f"{_IN_FLIGHT}.") for key in metadata.state_dict_metadata):
         # Rounds in flight at the save: this rank's own entry (its shard's copies and snapshot), by shard index.
-        state[_IN_FLIGHT] = {_in_flight_key(metadata, optimizer, folder): b""}
+        error = None
+        try:
+            state[_IN_FLIGHT] = {_in_flight_key(metadata, optimizer, folder): b""}
+        except ValueError as exc:
+            error = exc
+        agree_across_ranks(  # before DCP's collectives, as for the outer state
+            "the rounds in flight of the checkpoint", None, shard_group, error=error,
+            fix="Resume with the mesh shape that saved the checkpoint.",
+        )  # fmt: skip
     # A rank whose local shard of a parameter is empty (FSDP1 with uneven shards) has no entry for it while the
     # checkpoint has one; DefaultLoadPlanner then guesses "a checkpoint older than torch 2.4" and flattens
     # differently, silently skipping entries. _ExactLoadPlanner loads exactly this rank's entries, and still
