@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import agree_across_ranks
+from .fragments import Piece, level_splits, pieces_text, split_key
 from .outer import OuterFactory, build_outer_optimizer
 from .schedule import AveragingLevel
 from .tensors import local_tensor
@@ -53,14 +54,27 @@ class OuterLevel:
     """
 
     def __init__(
-        self, period: int, factory: OuterFactory, device: torch.device | None, group_size: int | None = None
+        self,
+        period: int,
+        factory: OuterFactory,
+        device: torch.device | None,
+        group_size: int | None = None,
+        fragments: int = 1,
     ) -> None:
         self.period = period
+        self.fragments = fragments
+        """The level's ``fragments``: above 1, the outer optimizer steps one view of the anchors per piece."""
         self.group_size = group_size
         """The level's group size, in ranks, for error messages (``None``: not known)."""
         self.factory = factory
         self.device = device
         self.anchors: list[torch.Tensor] | None = None
+        self.pieces: tuple[Piece, ...] | None = None
+        """At a level with ``fragments > 1``: every fragment's pieces, in order (:mod:`hieravg_optim.fragments`);
+        the outer optimizer is then built over one view of the anchors per piece, so that a fragment's round steps
+        its elements only. ``None``: over the anchors themselves."""
+        self.params: list[torch.Tensor] | None = None
+        """The tensors the outer optimizer steps: :attr:`anchors`, or their views at :attr:`pieces`."""
         self.optimizer: torch.optim.Optimizer | None = None
         self.synced = False
         """Whether the anchors are known to be equal on every rank of the level's group (after a round)."""
@@ -72,8 +86,9 @@ class OuterLevel:
         compressed round, after :meth:`take`, or without error feedback."""
 
     # -- anchors -----------------------------------------------------------------------------------
-    def take(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Anchor = an fp32 copy of each tensor; build a fresh outer optimizer over the anchors.
+    def take(self, tensors: Sequence[torch.Tensor], pieces: Sequence[Piece] | None = None) -> None:
+        """Anchor = an fp32 copy of each tensor; build a fresh outer optimizer over the anchors, or, with
+        ``pieces`` (a level with fragments), over the views ``anchor.view(-1)[start:stop]`` of each piece.
 
         Raises:
             TypeError, ValueError, RuntimeError: from :func:`build_outer_optimizer`, naming the level.
@@ -81,8 +96,10 @@ class OuterLevel:
         anchors = [
             t.detach().to(device=self.device or t.device, dtype=torch.float32, copy=True) for t in tensors
         ]
-        optimizer = build_outer_optimizer(self.period, self.group_size, self.factory, anchors)
+        params = anchors if pieces is None else [anchors[i].view(-1)[a:b] for i, a, b in pieces]
+        optimizer = build_outer_optimizer(self.period, self.group_size, self.factory, params)
         self.anchors, self.optimizer, self.synced = anchors, optimizer, False
+        self.pieces, self.params = (None if pieces is None else tuple(pieces)), params
         self.residuals = None
 
     @torch.no_grad()
@@ -109,29 +126,60 @@ class OuterLevel:
 
     # -- the outer step ----------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, tensors: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
+    def step(self, tensors: Sequence[torch.Tensor], pieces: Sequence[Piece] | None = None) -> None:
         """``g = anchor - mean``; one outer step on the anchors; copy the anchors into ``tensors``.
 
         ``tensors`` hold the level's mean (after the all-reduce) and get the new anchors, cast to
-        their dtype, in place. With ``indices`` (a fragment's round, ``fragments``), ``tensors`` are the means of
-        the anchors at those indices only: the others get no pseudo-gradient, and the outer optimizer (which
+        their dtype, in place. With ``pieces`` (a fragment's round, ``fragments``), ``tensors`` are the means of
+        those pieces only (:meth:`param_indices`): the others get no pseudo-gradient, and the outer optimizer (which
         skips parameters without ``.grad``, as every ``torch.optim`` optimizer does) leaves them and their state
         unchanged.
         """
-        assert self.anchors is not None and self.optimizer is not None
-        anchors = self.anchors if indices is None else [self.anchors[i] for i in indices]
-        grads = [a - t.to(device=a.device, dtype=torch.float32) for a, t in zip(anchors, tensors)]
+        assert self.params is not None and self.optimizer is not None
+        indices = None if pieces is None else self.param_indices(pieces)
+        params = self.params if indices is None else [self.params[i] for i in indices]
+        grads = [a - t.to(device=a.device, dtype=torch.float32).view(a.shape) for a, t in zip(params, tensors)]
         self.step_with(grads, tensors, indices)
+
+    def param_indices(self, pieces: Sequence[Piece]) -> list[int]:
+        """The positions in :attr:`params` of a round's ``pieces``: whole tensors without :attr:`pieces`, else
+        pieces of the level's own split.
+
+        Raises:
+            RuntimeError: for a piece that is neither (the round's tensors differ from the anchors').
+        """
+        assert self.anchors is not None
+        if self.pieces is None:
+            whole = [i for i, a, b in pieces if a == 0 and b == self.anchors[i].numel()]
+            if len(whole) == len(pieces):
+                return whole
+        else:
+            where = {p: k for k, p in enumerate(self.pieces)}
+            if all(p in where for p in pieces):
+                return [where[p] for p in pieces]
+        raise RuntimeError(
+            f"The round at period {self.period} covers the pieces {pieces_text(list(pieces))}, which are not those "
+            f"of its outer optimizer ({'whole tensors' if self.pieces is None else pieces_text(self.pieces)}): keep "
+            "the averaged tensors fixed, or take the anchors again after changing them."
+        )
+
+    def at_params(self, per_anchor: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``per_anchor`` (tensors shaped like the anchors, e.g. the residuals) as :attr:`params` are: themselves,
+        or their views ``t.view(-1)[start:stop]`` at :attr:`pieces`."""
+        if self.pieces is None:
+            return list(per_anchor)
+        return [per_anchor[i].view(-1)[a:b] for i, a, b in self.pieces]
 
     @torch.no_grad()
     def step_with(
         self, grads: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], indices: Sequence[int] | None = None
     ) -> None:
-        """One outer step on the anchors with the pseudo-gradients ``grads`` (fp32, shaped like the anchors, on
-        their devices; e.g. a compressed round's mean of decoded deltas); copy the anchors into ``tensors``.
-        With ``indices`` (a fragment's round), ``grads`` and ``tensors`` are those of the anchors at those indices."""
-        assert self.anchors is not None and self.optimizer is not None
-        anchors = self.anchors if indices is None else [self.anchors[i] for i in indices]
+        """One outer step on the anchors with the pseudo-gradients ``grads`` (fp32, shaped like :attr:`params`, on
+        their devices; e.g. a compressed round's mean of decoded deltas); copy the stepped tensors into ``tensors``.
+        With ``indices`` (a fragment's round, :meth:`param_indices`), ``grads`` and ``tensors`` are those of the
+        :attr:`params` at those indices."""
+        assert self.params is not None and self.optimizer is not None
+        anchors = self.params if indices is None else [self.params[i] for i in indices]
         for a, g in zip(anchors, grads):
             a.grad = g
         # One host transfer per device, not one per tensor.
@@ -143,10 +191,10 @@ class OuterLevel:
         try:
             self.optimizer.step()
         finally:  # the pseudo-gradient is never kept, not even when the outer step raises
-            for a in self.anchors:
+            for a in self.params:
                 a.grad = None
         for a, t in zip(anchors, tensors):
-            t.copy_(a)
+            t.copy_(a.view(t.shape))
         self.synced = True
 
     # -- accounting and checkpoints ----------------------------------------------------------------
@@ -159,10 +207,14 @@ class OuterLevel:
         return held + sum(_tensor_bytes(s) for s in state.values())
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"anchors": [Tensor, ...], "optimizer": outer_optimizer.state_dict(), "synced": bool}``, and
-        ``"residuals": [Tensor, ...]`` when the level keeps error-feedback residuals (``compress``)."""
+        """``{"anchors": [Tensor, ...], "optimizer": outer_optimizer.state_dict(), "synced": bool}``,
+        ``"residuals": [Tensor, ...]`` when the level keeps error-feedback residuals (``compress``), and, at a level
+        with fragments, ``"fragments"`` and ``"pieces"`` (:attr:`pieces`, as lists: the optimizer's state is per
+        piece)."""
         assert self.anchors is not None and self.optimizer is not None
         state = {"anchors": list(self.anchors), "optimizer": self.optimizer.state_dict(), "synced": self.synced}
+        if self.pieces is not None:
+            state["fragments"], state["pieces"] = self.fragments, [list(p) for p in self.pieces]
         if self.residuals is not None:
             state["residuals"] = list(self.residuals)
         return state
@@ -175,13 +227,15 @@ class OuterLevel:
         synced: bool,
         residuals: list[torch.Tensor] | None = None,
         tensors: Sequence[torch.Tensor] | None = None,
+        pieces: Sequence[Piece] | None = None,
     ) -> None:
         """Restore :meth:`check_state`'s output: into the current anchors and outer optimizer if any (the same
-        objects, so references to them stay valid), else into new fp32 anchors and a new outer optimizer."""
+        objects, so references to them stay valid), else into new fp32 anchors and a new outer optimizer (over
+        ``pieces``, the checked split of a level with fragments)."""
         if self.anchors is None or self.optimizer is None:
             # New anchors where take() puts them (outer_state_device, else with ``tensors``), not wherever the
             # checkpoint was mapped (map_location="cpu" would keep them in host memory for the rest of the run).
-            self.take(tensors if tensors is not None else anchors)
+            self.take(tensors if tensors is not None else anchors, pieces)
         assert self.anchors is not None and self.optimizer is not None
         for mine, saved in zip(self.anchors, anchors):
             mine.copy_(saved)
@@ -195,6 +249,7 @@ class OuterLevel:
     def drop(self) -> None:
         """Forget the anchors, the outer optimizer and any residuals (taken again with :meth:`take`)."""
         self.anchors, self.optimizer, self.synced, self.residuals = None, None, False, None
+        self.pieces = self.params = None
 
 
 class OuterLevels:
@@ -202,12 +257,17 @@ class OuterLevels:
     level that averages plainly."""
 
     def __init__(
-        self, levels: Sequence[AveragingLevel], factories: Mapping[int, OuterFactory], device: torch.device | None
+        self,
+        levels: Sequence[AveragingLevel],
+        factories: Mapping[int, OuterFactory],
+        device: torch.device | None,
+        fragments: Sequence[int] = (),
     ) -> None:
         self.device = device
+        fragments = tuple(fragments) or (1,) * len(levels)
         self.by_level: list[OuterLevel | None] = [
-            OuterLevel(lv.period, factories[lv.period], device, lv.group_size) if lv.period in factories else None
-            for lv in levels
+            OuterLevel(lv.period, factories[lv.period], device, lv.group_size, f) if lv.period in factories else None
+            for lv, f in zip(levels, fragments)
         ]
         self.has_outer = any(o is not None for o in self.by_level)
         """Whether some level has an outer optimizer (fixed at construction)."""
@@ -230,6 +290,33 @@ class OuterLevels:
         """The local tensors of ``tensors`` that the anchors follow (all but the last :attr:`skip_last`)."""
         return [local_tensor(t) for t in tensors[: len(tensors) - self.skip_last]]
 
+    def pieces_of(self, outer: OuterLevel, tensors: Sequence[torch.Tensor]) -> tuple[Piece, ...] | None:
+        """The pieces ``outer``'s optimizer steps for ``tensors`` (the whole list, as :meth:`take` gets it): every
+        fragment's pieces of the anchored tensors, in order (the split is over all of ``tensors``, as the rounds'
+        :meth:`hieravg_optim.delayed.DelayedRounds.plan`); ``None`` at a level with one fragment. Pure.
+
+        Raises:
+            ValueError: from :func:`hieravg_optim.fragments.split_fragments`.
+        """
+        if outer.fragments == 1:
+            return None
+        split = level_splits(split_key(tensors), (outer.fragments,))[0]
+        anchored = len(tensors) - self.skip_last
+        return tuple(p for fragment in split for p in fragment if p[0] < anchored)
+
+    def params_of(self, outer: OuterLevel, pieces: Sequence[Piece], n_tensors: int) -> list[int | None]:
+        """Per piece of a round over ``n_tensors`` averaged tensors: the index of its outer tensor in ``outer``'s
+        :attr:`OuterLevel.params`, or ``None`` for a buffer (the last :attr:`skip_last` tensors, without anchors).
+
+        Raises:
+            RuntimeError: from :meth:`OuterLevel.param_indices`.
+        """
+        anchored = [k for k, (i, _, _) in enumerate(pieces) if i < n_tensors - self.skip_last]
+        out: list[int | None] = [None] * len(pieces)
+        for k, index in zip(anchored, outer.param_indices([pieces[k] for k in anchored])):
+            out[k] = index
+        return out
+
     def take(self, tensors: Sequence[torch.Tensor], *, agree_over: dist.ProcessGroup | None = None) -> None:
         """Take the anchors of every level at ``tensors``; on a failure, no level keeps any.
 
@@ -240,7 +327,7 @@ class OuterLevels:
         try:
             local = self.part(tensors)
             for outer in self:
-                outer.take(local)
+                outer.take(local, self.pieces_of(outer, tensors))
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank with agree_over
             self.drop()
             error = exc

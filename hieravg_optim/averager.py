@@ -21,6 +21,7 @@ from .averaging import BucketPool
 from .checkpoint import AveragingStateMixin
 from .config import AveragingConfig, check_log_metrics_every
 from .delayed import DelayedRounds
+from .fragments import piece_view
 from .groups import LevelGroup, build_level_groups, group_timeout, timed_process_group, timeout_seconds
 from .metrics import LevelMetrics, MetricsMixin, bytes_sent
 from .nonfinite import repair_skipped_replica_state
@@ -169,7 +170,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         """Log :meth:`metrics` through ``logging`` at INFO every this many steps (``None``: never)."""
         self.outer_state_device: torch.device | None = device
         """Where anchors and outer optimizer state live; ``None``: each tensor's own device."""
-        self._outers = OuterLevels(config.levels, factories, device)
+        self._outers = OuterLevels(config.levels, factories, device, config.fragments)
         self._delayed: DelayedRounds | None = (
             DelayedRounds(config, self.process_group, self.level_groups)
             if config.delay_steps or config.fragments
@@ -302,9 +303,9 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         start (in level order): at a level with neither a delay nor fragments, the synchronous round over its part of
         the tensors. Returns the highest level that applied or started a round, or ``None``.
 
-        If ``tensors``, ``check`` or ``context`` raises, the error is raised on every rank of the first round that
-        starts at ``count`` (in its agreement); at a count where rounds are only applied (a local step, once their
-        collectives have completed), on this rank alone, after waiting for them.
+        If ``tensors``, ``check`` or ``context`` raises, the error is raised on every rank of the group of the first
+        round applied at ``count`` (in the agreement before the apply, :meth:`DelayedRounds.apply`), else of the
+        first round that starts at ``count`` (in its agreement); no round is applied then.
         """
         delayed = self._delayed
         assert delayed is not None
@@ -319,10 +320,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         touched: list[int] = []
         for li in sorted(li for li, r in delayed.in_flight.items() if r.apply_at == count):
             round_ = delayed.in_flight.pop(li)
-            if error is not None:
-                round_.wait()
-                raise error
-            delayed.apply(round_, chosen, outers=self._outers, metrics=self._metrics[li])
+            delayed.apply(round_, chosen, outers=self._outers, metrics=self._metrics[li], error=error)
             if round_.replaced:
                 self.replaced_at_step = count
             touched.append(li)
@@ -335,7 +333,7 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         for li, fragment, positions in rounds:
             touched.append(li)
             if not delayed.active(li):
-                part = chosen if len(positions) == len(chosen) else [chosen[i] for i in positions]
+                part = [piece_view(chosen, p) for p in positions]  # the tensors themselves where whole
                 self.average(li, part, error=error, context=extra)
                 continue
             round_ = delayed.start(
@@ -343,8 +341,8 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
                 pool=self.pool, replica_group=self._replica_group, replica_ranks=self._replica_ranks, error=error,
                 context=extra,
             )  # fmt: skip
-            if round_.apply_at == count:
-                delayed.apply(round_, chosen, outers=self._outers, metrics=self._metrics[li])
+            if round_.apply_at == count:  # the round's agreement was that of its start, just now
+                delayed.apply(round_, chosen, outers=self._outers, metrics=self._metrics[li], agree=False)
                 if round_.replaced:
                     self.replaced_at_step = count
             else:
@@ -358,8 +356,9 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
         For the end of training (or before an evaluation on the averaged weights): a round started at count ``t``
         is otherwise applied at ``t + delay_steps`` only. The round is applied as at its count
         (:attr:`AveragingConfig.delay_correction`, :attr:`AveragingConfig.delay_mixing`), the local progress being
-        the steps taken since ``t``. Local once the collectives have completed; every rank of the process group
-        has the same rounds in flight, so calling it on every rank at the same count keeps them in step.
+        the steps taken since ``t``. Every rank of the process group has the same rounds in flight: call it on
+        every rank at the same count (each round's apply starts with a small agreement over its level's group,
+        :meth:`DelayedRounds.apply`).
 
         Args:
             tensors: The tensors the rounds average (as ``step_and_average``'s ``tensors()`` returns them).
@@ -369,6 +368,11 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
 
         Raises:
             CollectiveError: if a round's collective failed (a dead or hung peer), naming it.
+            RuntimeError: on every rank of a round's group, if on some rank ``tensors`` are not those the round
+                started with.
+
+        .. warning::
+            Collective over the groups of the levels with a round in flight.
         """
         delayed = self._delayed
         if delayed is None:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+from types import EllipsisType
 
 import torch
 
 from .anchors import OuterLevel, OuterLevels
+from .fragments import Piece, pieces_text
 from .config import AveragingConfig, is_int, warn_at_caller
 from .outer import dry_step
 from .schedule import period_of_key
@@ -170,15 +172,22 @@ def warn_schedule_changes(state: Mapping[str, Any], step: int, config: Averaging
 
 
 def check_level_state(
-    outer: OuterLevel, state: object, tensors: Sequence[torch.Tensor] | None = None
+    outer: OuterLevel,
+    state: object,
+    tensors: Sequence[torch.Tensor] | None = None,
+    pieces: Sequence[Piece] | None | EllipsisType = ...,
 ) -> tuple[list[torch.Tensor], Mapping[str, Any], bool]:
     """Validate the saved state of ``outer``'s level: ``(anchors, optimizer state dict, synced, residuals)``
     (``residuals``: ``None`` when the level kept none). Changes nothing.
 
+    Args:
+        pieces: The split this rank's outer optimizer steps (:meth:`OuterLevels.pieces_of`; ``None``: whole
+            anchors), if known (``...``: not known, the saved one is taken).
+
     Raises:
         ValueError: naming the period and the mismatch, for a malformed entry, anchors that are not
-            float32, or anchors whose number or shapes differ from the current ones (this rank's anchors,
-            else ``tensors`` when given).
+            float32, anchors whose number or shapes differ from the current ones (this rank's anchors,
+            else ``tensors`` when given), or fragments split otherwise than here (both splits named).
     """
     where = f"The outer state of period {outer.period} in the averaging state dict"
     if not isinstance(state, Mapping) or "anchors" not in state or "optimizer" not in state:
@@ -202,12 +211,26 @@ def check_level_state(
             f"{where}: 'optimizer' must be the outer optimizer's state_dict(), got "
             f"{type(state['optimizer']).__name__}."
         )
+    saved_pieces = _saved_pieces(where, state, anchors)
+    if pieces is not ...:
+        mine = None if pieces is None else tuple(pieces)
+        if saved_pieces != mine:
+            def shown(split, f):
+                return "whole tensors (fragments=1)" if split is None else f"fragments={f}: {pieces_text(split)}"
+
+            raise ValueError(
+                f"{where} was saved with its outer optimizer over {shown(saved_pieces, state.get('fragments'))}, but "
+                f"here it steps {shown(mine, outer.fragments)}: the outer state (momentum) is per piece. Resume with "
+                "the saved run's fragments at this level and the same averaged tensors (model, sharding, ZeRO stage)."
+            )
+    params = anchors if saved_pieces is None else [torch.empty(b - a, device="meta") for _, a, b in saved_pieces]
     groups = state["optimizer"].get("param_groups")
     if isinstance(groups, (list, tuple)):
         held = sum(len(g.get("params", ())) for g in groups if isinstance(g, Mapping))
-        if held != len(anchors):
+        if held != len(params):
+            what = f"{len(anchors)} anchors" if saved_pieces is None else f"{len(params)} pieces of its anchors"
             raise ValueError(
-                f"{where}: its outer optimizer state covers {held} tensors but it holds {len(anchors)} anchors: "
+                f"{where}: its outer optimizer state covers {held} tensors but it holds {what}: "
                 "save and load the state dict HierarchicalAverager.state_dict() returns, unchanged."
             )
     reference = outer.anchors if outer.anchors is not None else tensors
@@ -223,7 +246,7 @@ def check_level_state(
                     f"{where}: anchor {i} has shape {tuple(saved.shape)}, but this rank's tensor {i} has shape "
                     f"{tuple(mine.shape)}: load the checkpoint of the same model and sharding."
                 )
-    _check_loadable(outer, where, anchors, state["optimizer"])
+    _check_loadable(outer, where, params, state["optimizer"])
     residuals = state.get("residuals")
     if residuals is not None and (
         not isinstance(residuals, (list, tuple))
@@ -234,6 +257,29 @@ def check_level_state(
             "level), as HierarchicalAverager.state_dict() saves them: load a checkpoint this library saved, unchanged."
         )
     return list(anchors), state["optimizer"], bool(state.get("synced", True)), None if residuals is None else list(residuals)
+
+
+def _saved_pieces(where: str, state: Mapping[str, Any], anchors: Sequence[torch.Tensor]) -> tuple[Piece, ...] | None:
+    """The saved ``"pieces"`` of a level with fragments (``None`` without), checked against the saved anchors."""
+    saved = state.get("pieces")
+    if saved is None:
+        return None
+    out = []
+    for p in saved if isinstance(saved, (list, tuple)) else [None]:
+        if not (isinstance(p, (list, tuple)) and len(p) == 3 and all(isinstance(v, int) for v in p)):
+            out = None
+            break
+        i, a, b = p
+        if not (0 <= i < len(anchors) and 0 <= a < b <= anchors[i].numel()):
+            out = None
+            break
+        out.append((i, a, b))
+    if not out:
+        raise ValueError(
+            f"{where}: 'pieces' must be a list of [position, start, stop] element ranges of its anchors, as "
+            "HierarchicalAverager.state_dict() saves them: load a checkpoint this library saved, unchanged."
+        )
+    return tuple(out)
 
 
 def _check_loadable(
@@ -340,7 +386,13 @@ class AveragingStateMixin:
         parsed = {}
         for outer in self._outers:
             if outer.period in by_period:
-                parsed[outer.period] = (*check_level_state(outer, by_period[outer.period], local), local)
+                if outer.anchors is not None:
+                    pieces = outer.pieces
+                else:
+                    pieces = ... if tensors is None else self._outers.pieces_of(outer, tensors)
+                level = check_level_state(outer, by_period[outer.period], local, pieces)
+                saved_pieces = _saved_pieces("", by_period[outer.period], level[0])
+                parsed[outer.period] = (*level, local, saved_pieces)
         ignored = [p for p in by_period if p not in parsed]
         if ignored:
             warn_at_caller(

@@ -221,12 +221,14 @@ class AveragingConfig:
     fragments: tuple[int, ...] = ()
     """The number of fragments ``F`` of each level, in level order; ``()`` (default): 1 at every level.
 
-    Given as one positive integer or ``{period: F}``. The level's tensors (the list a round averages, in order) are
-    split by whole tensors into ``F`` consecutive fragments of about equal bytes; fragment ``j`` has its own round
-    at the counts ``t`` with ``t % period == round(j * period / F)`` (Streaming DiLoCo,
+    Given as one positive integer or ``{period: F}``. The level's tensors (the list a round averages, in order:
+    this rank's local tensors) are split, as one run of elements, into ``F`` consecutive element ranges of equal
+    bytes within one element (:func:`hieravg_optim.fragments.split_fragments`: a boundary may fall inside a
+    tensor, e.g. one flat ZeRO-1/2 partition or FSDP1 shard; a non-contiguous tensor is kept whole); fragment ``j``
+    has its own round at the counts ``t`` with ``t % period == round(j * period / F)`` (Streaming DiLoCo,
     https://arxiv.org/abs/2501.18512), so one round moves about ``1/F`` of the bytes. At a count where a fragment
-    and a lower level are due, each tensor follows the largest level due for it: the fragment's tensors that level,
-    the others the lower level. ``F`` must not exceed the period nor the number of tensors (checked at the
+    and a lower level are due, each element follows the largest level due for it: the fragment's elements that
+    level, the others the lower level. ``F`` must not exceed the period nor the number of elements (checked at the
     first round, on every rank); an outer optimizer on a level below a level with fragments is not supported."""
 
     delay_mixing: tuple[float, ...] = ()

@@ -5,8 +5,9 @@ non-finite vote, synchronously), copies the round's tensors (the *snapshot*: loc
 and all-reduces the copy in the background (asynchronous collectives on packed copies; a Python thread for
 node-aware levels and the checked float16 wire), over process groups of its own, while the next ``tau`` inner
 steps run; the round is applied at count ``t + tau`` (:class:`DelayedRounds`). A level with ``fragments``
-``F > 1`` splits its tensors into ``F`` fragments, each with its own round at staggered counts
-(:func:`fragment_of`, :meth:`DelayedRounds.plan`). The settings are fields of
+``F > 1`` splits its tensors into ``F`` fragments of element ranges (:mod:`hieravg_optim.fragments`: a boundary
+may fall inside a tensor), each with its own round at staggered counts (:meth:`DelayedRounds.plan`). A round
+between its start and its apply is an :class:`~hieravg_optim.in_flight.InFlightRound`. The settings are fields of
 :class:`~hieravg_optim.AveragingConfig`; the semantics, with a worked example, are in ``docs/semantics.md``.
 
 Sources: Streaming DiLoCo (https://arxiv.org/abs/2501.18512: fragments, overlapping, the mixing weight),
@@ -19,165 +20,33 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .agreement import agree_across_ranks
 from .anchors import OuterLevels
 from .averaging import BucketPool, average_tensors_
 from .averaging.checked_wire import CHECKED_WIRE
 from .comm_dtype import wire_dtype
-from .compression.delayed import CompressedPayloads, encode_round, load_payloads
+from .compression.delayed import encode_round, load_payloads
 from .compression.round import residual_error
 from .config import AveragingConfig
 from .faults import named_collective
+from .fragments import (
+    Piece, fragment_of, landing_error, level_splits, piece_view, plan_pieces, split_fragments, split_key, tensor_marks,
+)
 from .groups import LevelGroup, build_level_groups, timeout_seconds
+from .in_flight import InFlightRound, pack_copies, saved_round
 from .metrics import LevelMetrics, bytes_sent
 from .nonfinite import has_nonfinite
 from .round_start import agree_round, sync_anchors
 from .rounds import round_name
-from ._validation import is_int
-from .schedule import fragment_offsets, period_of_key
+from .schedule import period_of_key
 from .tensors import local_tensor
 
 __all__ = ["DelayedRounds", "InFlightRound", "split_fragments"]
-
-
-def split_fragments(nbytes: Sequence[int], fragments: int) -> list[range]:
-    """Split tensors of ``nbytes`` bytes each (in order) into ``fragments`` consecutive, non-empty runs of about
-    equal bytes: each boundary is the one nearest to ``j * total / fragments`` that leaves every run a tensor.
-    Pure.
-
-    Raises:
-        ValueError: for more fragments than tensors.
-    """
-    n = len(nbytes)
-    if fragments > n:
-        raise ValueError(
-            f"fragments={fragments} at this level, but its rounds average {n} tensors: fragments are split by whole "
-            f"tensors, so at most {n} fit. Pass fragments={max(n, 1)} or fewer for this level."
-        )
-    cumulative = [0]
-    for b in nbytes:
-        cumulative.append(cumulative[-1] + b)
-    total = cumulative[-1]
-    bounds = [0]
-    for j in range(1, fragments):
-        lo, hi = bounds[-1] + 1, n - (fragments - j)
-        target = j * total / fragments
-        bounds.append(min(range(lo, hi + 1), key=lambda k: (abs(cumulative[k] - target), k)))
-    bounds.append(n)
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
-def _pack(
-    tensors: Sequence[torch.Tensor], comm_dtype: str | None, flats: list[torch.Tensor], *, zeros: bool
-) -> list[torch.Tensor]:
-    """Copy ``tensors`` into one new flat buffer per device and wire dtype (appended to ``flats``), in their wire
-    dtype (:func:`hieravg_optim.comm_dtype.wire_dtype`); returns a view of it per tensor, in order. ``zeros``: the
-    views hold zeros instead (a non-finite replica's contribution, ``nonfinite="skip_replica"``). Local."""
-    by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for k, t in enumerate(tensors):
-        by_key.setdefault((t.device, wire_dtype(t.dtype, comm_dtype)), []).append(k)
-    views: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
-    for (device, dtype), members in by_key.items():
-        buffer = torch.empty(sum(tensors[k].numel() for k in members), dtype=dtype, device=device)
-        offset = 0
-        for k in members:
-            n = tensors[k].numel()
-            view = buffer[offset : offset + n].view(tensors[k].shape)
-            view.zero_() if zeros else view.copy_(tensors[k])
-            views[k], offset = view, offset + n
-        flats.append(buffer)
-    return views
-
-
-def fragment_of(count: int, period: int, fragments: int) -> int | None:
-    """The fragment of a level whose round starts at ``count`` (``count % period`` is its offset), or ``None``."""
-    offsets = fragment_offsets(period, fragments)
-    phase = count % period
-    return offsets.index(phase) if phase in offsets else None
-
-
-@dataclass(eq=False)
-class InFlightRound:
-    """One round started and not yet applied, on this rank."""
-
-    level_index: int
-    fragment: int | None
-    """The fragment's index (``None``: the level has one fragment)."""
-    indices: tuple[int, ...]
-    """The positions, in the list of tensors the averager is given, of the round's tensors."""
-    started: int
-    """The count the round started at (its snapshot's count ``t``)."""
-    apply_at: int
-    """The count it is applied at (``t + tau``)."""
-    name: str
-    wire: list[torch.Tensor]
-    """The copies all-reduced: the snapshot, then (after :meth:`wait`) the mean over the group."""
-    snapshot: list[torch.Tensor] | None
-    """This rank's ``theta_t`` (the ``"eager"`` correction), else ``None``."""
-    replaced: bool = False
-    """This rank's replica was non-finite at ``t`` (``nonfinite="skip_replica"``): it takes the mean as is."""
-    divisor: int | None = None
-    payload: int = 0
-    seconds: float = 0.0
-    thread: threading.Thread | None = None
-    error: BaseException | None = None
-    done: Any = None
-    """A CUDA event recorded after the collective on its side stream, or ``None``."""
-    finished: bool = False
-    """Whether the collective has completed (after :meth:`wait`, or loaded from a checkpoint)."""
-    timeout_s: float | None = None
-    ranks: tuple[int, ...] = field(default=())
-    works: list = field(default_factory=list)
-    """The async all-reduces of the flat path (the backend progresses them), waited for by :meth:`wait`."""
-    flats: list = field(default_factory=list)
-    """The packed copies :attr:`wire` views, one per device and wire dtype, divided by :attr:`divide_by` after."""
-    divide_by: float = 1.0
-    compressed: CompressedPayloads | None = None
-    """A compressed level's payloads (``compress``): :attr:`wire` then holds the averaged buffers only, and
-    stand-ins of the anchored tensors' shapes."""
-
-    def nbytes(self) -> int:
-        """Bytes this round holds on this rank: its copies (and the snapshot), or its payloads."""
-        skip = set(self.compressed.anchored) if self.compressed is not None else set()
-        held = [w for k, w in enumerate(self.wire) if k not in skip] + (self.snapshot or [])
-        extra = self.compressed.nbytes() if self.compressed is not None else 0
-        return extra + sum(t.numel() * t.element_size() for t in held)
-
-    def wait(self) -> None:
-        """Wait for the collective; re-raise its error, a failed collective as a ``CollectiveError`` naming the round.
-
-        Raises:
-            CollectiveError: (a ``RuntimeError``) for a dead or hung peer, within the group's timeout.
-            WireOverflowError: as the synchronous round (float16 wire).
-        """
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        if self.works:
-            works, self.works = self.works, []
-            try:
-                for work in works:
-                    work.wait()
-            except Exception as exc:  # noqa: BLE001 - named below
-                self.error = exc
-            else:
-                with torch.no_grad():
-                    for f in self.flats:
-                        f.div_(self.divide_by)
-            self.flats = []
-        if self.error is not None:
-            error, self.error = self.error, None
-            with named_collective(f"{self.name} (waited for at step {self.apply_at})", self.ranks, timeout_s=self.timeout_s):
-                raise error
-        if self.done is not None:
-            torch.cuda.current_stream(self.wire[0].device).wait_event(self.done)
-            self.done = None
-        self.finished = True
 
 
 class DelayedRounds:
@@ -244,48 +113,36 @@ class DelayedRounds:
                 starting.append(li)
         return starting[:1]
 
-    def fragments_of(self, tensors: Sequence[torch.Tensor]) -> dict[int, list[range]]:
-        """Per level with fragments, its fragments as runs of positions in ``tensors`` (cached by the sizes)."""
-        key = tuple(local_tensor(t).numel() * t.element_size() for t in tensors)
-        if self._split is None or self._split[0] != key:
-            split = {i: split_fragments(key, f) for i, f in enumerate(self.fragments) if f > 1}
-            self._split = (key, split)
-        return self._split[1]
-
-    def plan(self, count: int, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int | None, tuple[int, ...]]]:
-        """The rounds that start at ``count``: ``(level index, fragment or None, positions)``, in level order.
-
-        Each tensor follows the largest level due for it at ``count``: a level with one fragment at the multiples of
-        its period, a fragment at its own counts (:func:`fragment_of`). Pure, given the tensors' sizes.
+    def fragments_of(self, tensors: Sequence[torch.Tensor]) -> dict[int, list[tuple[Piece, ...]]]:
+        """Per level with fragments, its fragments as pieces of ``tensors`` (:func:`split_fragments` of the local
+        tensors' sizes, element sizes and contiguity; cached by them).
 
         Raises:
-            ValueError: for more fragments than tensors (the same on every rank of a group that agrees on them).
+            ValueError: for more fragments than elements (from :func:`split_fragments`).
+        """
+        key = split_key(tensors)
+        if self._split is None or self._split[0] != key:
+            self._split = (key, level_splits(key, self.fragments))
+        return self._split[1]
+
+    def plan(self, count: int, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int | None, tuple[Piece, ...]]]:
+        """The rounds that start at ``count``: ``(level index, fragment or None, pieces)``, in level order
+        (:func:`hieravg_optim.fragments.plan_pieces`: each element follows the largest level due for it). Pure,
+        given the tensors' sizes, so the same on every rank holding the same local shapes.
+
+        Raises:
+            ValueError: for more fragments than elements (the same on every rank of a group that agrees on them).
         """
         split = self.fragments_of(tensors) if any(f > 1 for f in self.fragments) else {}
-        winners: dict[int, list[int]] = {}
-        frag_of_level: dict[int, int | None] = {}
-        for position in range(len(tensors)):
-            for li in range(len(self.config.levels) - 1, -1, -1):
-                period, f = self.config.levels[li].period, self.fragments[li]
-                if f == 1:
-                    if count % period == 0:
-                        winners.setdefault(li, []).append(position)
-                        frag_of_level[li] = None
-                        break
-                    continue
-                j = fragment_of(count, period, f)
-                if j is not None and position in split[li][j]:
-                    winners.setdefault(li, []).append(position)
-                    frag_of_level[li] = j
-                    break
-        return [(li, frag_of_level[li], tuple(winners[li])) for li in sorted(winners)]
+        numels = [local_tensor(t).numel() for t in tensors]
+        return plan_pieces(count, self.config.levels, self.fragments, numels, split)
 
     # -- start -------------------------------------------------------------------------------------------------
     def start(
         self,
         level_index: int,
         fragment: int | None,
-        indices: tuple[int, ...],
+        pieces: tuple[Piece, ...],
         tensors: Sequence[torch.Tensor],
         *,
         count: int,
@@ -297,7 +154,7 @@ class DelayedRounds:
         error: BaseException | None,
         context: Mapping[str, object] | None,
     ) -> InFlightRound:
-        """Start the round of ``level_index`` (fragment ``fragment``) over ``tensors[indices]`` at ``count``.
+        """Start the round of ``level_index`` (fragment ``fragment``) over the ``pieces`` of ``tensors`` at ``count``.
 
         Synchronously, as the synchronous round: the outer level's local checks, the non-finite check (one read of
         each tensor) and the replica's vote, the agreement check over the level's group, the non-finite policy, and,
@@ -324,7 +181,7 @@ class DelayedRounds:
         codec = config.level_compress(level_index) if outer is not None and lg.group is not None else None
         if codec is not None and error is None:
             error = residual_error(outer, outers.part(tensors), lg)
-        chosen = [tensors[i] for i in indices]
+        chosen = [piece_view(tensors, p) for p in pieces]
         begin = time.perf_counter()
         comm_dtype = config.comm_dtype[level_index] if config.comm_dtype else None
         eager = self.corrections[level_index] == "eager" and tau > 0
@@ -335,7 +192,7 @@ class DelayedRounds:
                 bad, divisor = agree_round(
                     chosen, config=config, process_group=self.process_group, lg=lg, step=count, name=name,
                     what=f"the parameters to average at step {count} ({name})",
-                    context={"fragment (positions)": (fragment, indices), "delay_steps": tau,
+                    context={"fragment (pieces)": (fragment, pieces), "delay_steps": tau,
                              **({"compress": codec.describe()} if codec is not None else {}),
                              **outers.context(level_index), **(context or {})},
                     error=error, replica_group=replica_group, replica_ranks=replica_ranks, anchors_unsynced=unsynced,
@@ -367,16 +224,17 @@ class DelayedRounds:
             if codec is not None:
                 wire = []  # encode_round's
             else:
-                wire = _pack(local, comm_dtype, flats, zeros=replaced) if flat else [t.clone() for t in local]
+                wire = pack_copies(local, comm_dtype, flats, zeros=replaced) if flat else [t.clone() for t in local]
         round_ = InFlightRound(
-            level_index=level_index, fragment=fragment, indices=indices, started=count, apply_at=count + tau,
+            level_index=level_index, fragment=fragment, pieces=pieces, started=count, apply_at=count + tau,
             name=name, wire=wire, snapshot=snapshot, replaced=replaced, divisor=divisor, ranks=lg.ranks,
             timeout_s=timeout_seconds(config, lg.group) if lg.group is not None else None,
+            marks=tensor_marks(tensors, pieces),
         )  # fmt: skip
         metrics.rounds_started += 1
         if codec is not None:  # the payloads travel instead (hieravg_optim.compression.delayed)
             round_.wire, round_.compressed, round_.works, round_.payload = encode_round(
-                local, indices, n_anchored=len(tensors) - outers.skip_last, outer=outer, codec=codec, config=config,
+                local, outers.params_of(outer, pieces, len(tensors)), outer=outer, codec=codec, config=config,
                 level_index=level_index, lg=lg, background=bg.group, pool=pool, divisor=divisor, bad=bad,
                 replaced=replaced, metrics=metrics, what=name,
             )  # fmt: skip
@@ -439,10 +297,22 @@ class DelayedRounds:
     # -- apply -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def apply(
-        self, round_: InFlightRound, tensors: Sequence[torch.Tensor], *, outers: OuterLevels, metrics: LevelMetrics
+        self,
+        round_: InFlightRound,
+        tensors: Sequence[torch.Tensor],
+        *,
+        outers: OuterLevels,
+        metrics: LevelMetrics,
+        error: BaseException | None = None,
+        agree: bool = True,
     ) -> None:
-        """Wait for ``round_`` and apply it to ``tensors`` (the live tensors at its apply count), in place. Local,
-        once the collective has completed.
+        """Wait for ``round_`` and apply it to ``tensors`` (the live tensors at its apply count), in place.
+
+        First the ranks of the level's group agree that each can apply it (one all-gather of two int64 per rank,
+        on the main groups; skipped with ``agree=False``, for a round applied at its start count): ``tensors``
+        are those the round started with (:func:`~hieravg_optim.fragments.landing_error`: the same positions,
+        storage and elements) and ``error`` (this rank's failed step callback) is ``None``. Otherwise every rank
+        of the group raises, and no rank applies the round.
 
         With ``R`` the mean (or, with an outer optimizer, the anchors after the outer step on ``anchor - R``):
         ``"eager"`` gives ``R + (theta - snapshot)``, ``"none"`` gives ``R``; then ``delay_mixing`` ``alpha`` gives
@@ -451,37 +321,51 @@ class DelayedRounds:
 
         Raises:
             CollectiveError, WireOverflowError: from :meth:`InFlightRound.wait`.
-            RuntimeError: if the tensors at the apply count are not those of the start (their number or shapes).
+            RuntimeError: on every rank of the group, if on some rank the tensors at the apply count are not those
+                of the start (another tensor at a position, e.g. a parameter frozen while the round was in flight,
+                fewer tensors or elements), or ``error`` was given (that rank raises ``error`` itself).
+
+        .. warning::
+            Collective over the level's group (with ``agree``).
         """
         begin = time.perf_counter()
         round_.wait()
         li = round_.level_index
-        if max(round_.indices, default=-1) >= len(tensors):
-            raise RuntimeError(
-                f"{round_.name} is applied at step {round_.apply_at} to {len(tensors)} tensors, but it started with "
-                f"tensor positions up to {max(round_.indices)}: keep the averaged tensors fixed while a round is in flight."
-            )
-        live = [local_tensor(tensors[i]) for i in round_.indices]
-        for i, (t, w) in enumerate(zip(live, round_.wire)):
+        problem = error or landing_error(round_.name, round_.apply_at, round_.pieces, tensors, round_.marks)
+        outer = outers.by_level[li]
+        if problem is None and outer is not None and outer.anchors is not None:
+            try:
+                params_of = outers.params_of(outer, round_.pieces, len(tensors))
+            except RuntimeError as exc:
+                problem = exc
+        lg = self.level_groups[li]
+        if agree and lg.group is not None:
+            agree_across_ranks(
+                f"the tensors {round_.name} is applied to at step {round_.apply_at}", None, lg.group, error=problem,
+                fix="Every rank must keep the averaged tensors fixed while a round is in flight.",
+            )  # fmt: skip
+        elif problem is not None:
+            raise problem
+        live = [local_tensor(piece_view(tensors, p)) for p in round_.pieces]
+        for (i, _, _), t, w in zip(round_.pieces, live, round_.wire):
             if t.shape != w.shape:
                 raise RuntimeError(
-                    f"{round_.name}: tensor {round_.indices[i]} has shape {tuple(t.shape)} at step "
+                    f"{round_.name}: tensor {i} has shape {tuple(t.shape)} at step "
                     f"{round_.apply_at}, but {tuple(w.shape)} when the round started: keep the averaged "
                     "tensors fixed while a round is in flight."
                 )
         result = round_.wire
-        outer = outers.by_level[li]
         if round_.compressed is not None:
             assert outer is not None
             result = list(result)
-            decoded = round_.compressed.result(round_.indices, outer, live, metrics)
+            decoded = round_.compressed.result(params_of, outer, live, metrics)
             for k, r in zip(round_.compressed.anchored, decoded):
                 result[k] = r
         elif outer is not None and outer.anchors is not None:
             n_anchored = len(tensors) - outers.skip_last
-            stepped = [k for k, i in enumerate(round_.indices) if i < n_anchored]
+            stepped = [k for k, (i, _, _) in enumerate(round_.pieces) if i < n_anchored]
             if stepped:
-                outer.step([result[k] for k in stepped], [round_.indices[k] for k in stepped])
+                outer.step([result[k] for k in stepped], [round_.pieces[k] for k in stepped])
                 metrics.pseudo_grad_norm = outer.pseudo_grad_norm
         alpha = self.mixing[li]
         eager = round_.snapshot is not None
@@ -496,7 +380,9 @@ class DelayedRounds:
             if alpha:
                 value = (1.0 - alpha) * value + alpha * t.to(compute)
             t.copy_(value)
-        if self.fragments[li] == 1 and len(round_.indices) == len(tensors):
+        if self.fragments[li] == 1 and len(round_.pieces) == len(tensors) and all(
+            a == 0 and b == local_tensor(tensors[i]).numel() for i, a, b in round_.pieces
+        ):
             outers.reset_lower(li, tensors)
             if eager or alpha:  # the replicas kept their own progress: the lower anchors differ across them
                 for o in outers.by_level[:li]:
@@ -511,9 +397,10 @@ class DelayedRounds:
     # -- checkpoints -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[int, dict[str, Any]]:
         """The rounds in flight, each waited for first (its collective completes; no tensor changes): per period
-        ``{"fragment", "positions", "started", "apply_at", "result", "snapshot", "replaced", "payload"}``,
-        ``result`` this rank's copies all-reduced (the mean over the group) and ``snapshot`` its ``theta_t`` (or
-        ``None``), the tensors themselves, sharded like the averaged tensors. Empty when none is in flight.
+        ``{"fragment", "pieces", "started", "apply_at", "result", "snapshot", "replaced", "payload"}``,
+        ``pieces`` the round's element ranges ``[position, start, stop]``, ``result`` this rank's copies all-reduced
+        (the mean over the group) and ``snapshot`` its ``theta_t`` (or ``None``), one tensor per piece, sharded like
+        the averaged tensors. Empty when none is in flight.
 
         Raises:
             CollectiveError: if a round's collective failed (see :meth:`InFlightRound.wait`).
@@ -522,7 +409,7 @@ class DelayedRounds:
         for li, r in sorted(self.in_flight.items()):
             r.wait()
             out[self.config.levels[li].period] = {
-                "fragment": r.fragment, "positions": list(r.indices), "started": r.started, "apply_at": r.apply_at,
+                "fragment": r.fragment, "pieces": [list(p) for p in r.pieces], "started": r.started, "apply_at": r.apply_at,
                 "result": r.wire, "snapshot": r.snapshot, "replaced": r.replaced, "payload": r.payload,
                 **({"compressed": r.compressed.state()} if r.compressed is not None else {}),
             }  # fmt: skip
@@ -549,34 +436,10 @@ class DelayedRounds:
                     f"{self.config.delay_steps}). Resume with the saved run's delay_steps and fragments."
                 )
             li = periods.index(period)
-            keys = {"fragment", "positions", "started", "apply_at", "result", "snapshot", "replaced"}
-            if not isinstance(entry, Mapping) or not keys <= set(entry):
-                raise ValueError(f"{where} must be a mapping with the keys {sorted(keys)}, as state_dict() saves it.")
-            result, snapshot = entry["result"], entry["snapshot"]
-            tensors_ok = isinstance(result, (list, tuple)) and all(torch.is_tensor(t) for t in result)
-            if snapshot is not None:
-                tensors_ok = tensors_ok and isinstance(snapshot, (list, tuple)) and len(snapshot) == len(result) and all(
-                    torch.is_tensor(t) and t.shape == w.shape for t, w in zip(snapshot, result)
-                )
-            positions = entry["positions"]
-            if not tensors_ok or not isinstance(positions, (list, tuple)) or len(positions) != len(result):
-                raise ValueError(f"{where}: 'result', 'snapshot' and 'positions' must be lists of tensors (and ints) of one length.")
-            started, apply_at = entry["started"], entry["apply_at"]
-            if not (is_int(started) and is_int(apply_at) and started < step <= apply_at == started + self.delays[li]):
-                raise ValueError(
-                    f"{where} started at count {started!r} and is applied at {apply_at!r}, which does not fit the saved "
-                    f"count {step} and delay_steps={self.delays[li]} here: resume with the saved run's settings."
-                )
-            rounds[li] = InFlightRound(
-                level_index=li, fragment=entry["fragment"], indices=tuple(int(i) for i in positions), started=started,
-                apply_at=apply_at, name=f"{round_name(started, self.level_groups[li])[:-1]}, delayed, resumed)",
-                wire=list(result), snapshot=None if snapshot is None else list(snapshot),
-                replaced=bool(entry["replaced"]), payload=int(entry.get("payload", 0)), finished=True,
-                ranks=self.level_groups[li].ranks,
-            )  # fmt: skip
             lg = self.level_groups[li]
+            rounds[li] = saved_round(entry, where, step, self.delays[li], level_index=li, lg=lg)
             codec = self.config.level_compress(li) if lg.group is not None else None
-            device = result[0].device if result else torch.device("cpu")
+            device = rounds[li].wire[0].device if rounds[li].wire else torch.device("cpu")
             rounds[li].compressed = load_payloads(entry, codec, lg, where, device)
         return rounds
 

@@ -7,6 +7,7 @@ the round starts (``theta_4`` per replica) and right before it is applied (``the
 its replica, computed in float32 in that order, and the module holds them rounded to its dtype. A checkpoint
 saved with the round in flight (after count 5) resumes to the uninterrupted run, bitwise; one with a compressed
 round in flight (``compress`` int8 with error feedback under Nesterov at the same level, ZeRO-1), bitwise too.
+ZeRO-2 with ``fragments`` 4: the fragments are element ranges of the one flat fp32 partition each rank holds.
 """
 
 from __future__ import annotations
@@ -93,10 +94,44 @@ def _resume_case(rank, name, stage, prec, folder, section=SECTION):
     return {"equal": all(a.equal(b) for a, b in zip(uninterrupted, after)), "diff": diff, **loaded}
 
 
+def _fragment_case(rank):
+    """ZeRO-2, one parameter group: each rank averages one flat fp32 partition, split into 4 fragments of element
+    ranges (``fragments`` 4 at period 8, ``delay_steps`` 1). After each apply, inside the fragment's range the
+    partition is ``mean of the replicas' snapshots + (theta - snapshot)``, exactly; outside it, untouched."""
+    import torch
+
+    import hieravg_optim.deepspeed as hds
+    from hieravg_optim.fragments import split_fragments
+
+    section = {**SECTION, "period_group_size": {"8": WORLD}, "delay_steps": 1, "fragments": 4}
+    model = _model()
+    engine = hds.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+                            config=_config(2, "fp32", 1, section))[0]  # fmt: skip
+    state = hds.get_averaging(engine)
+    local = state.tensors_to_average()
+    read = lambda: torch.cat([t.detach().reshape(-1).clone() for t in state.tensors_to_average()])  # noqa: E731
+    captured = capture_round_inputs(state.averager._delayed, read)
+    split = split_fragments([t.numel() for t in local], [t.element_size() for t in local], 4)
+    checked = []
+    for step in range(6):  # fragment 1 starts at count 2 (lands at 3), fragment 2 at 4 (lands at 5)
+        _micro_step(engine, rank, step)
+        if step in (3, 5):
+            snap, live = _gather(captured["start"]), captured["apply"]
+            expected = live.clone()
+            (_, a, b), = split[(step - 1) // 2]
+            shard = rank % S
+            expected[a:b] = (snap[shard][a:b] + snap[shard + S][a:b]) / 2 + (live[a:b] - snap[rank][a:b])
+            checked.append(torch.equal(read(), expected) and not torch.equal(expected, live))
+    n = local[0].numel()
+    return {"one_partition": len(local) == 1 and all(len(f) == 1 for f in split),
+            "even": all(abs((f[0][2] - f[0][1]) - n / 4) <= 1 for f in split), "exact": checked}  # fmt: skip
+
+
 def _all(rank, world, folder):
     import os
 
     out = {name: _applied_case(rank, name, stage, prec) for name, stage, prec in CASES}
+    out["zero2_fragments"] = _fragment_case(rank)
     for name, stage, prec in (CASES[2], CASES[3]):
         out["resume_" + name] = _resume_case(rank, name, stage, prec, os.path.join(folder, name))
     # A compressed round in flight (int8 with error feedback under Nesterov): its gathered payloads travel in each
@@ -120,6 +155,11 @@ def test_delayed_round_applies_the_eager_formula_to_the_masters(results, case):
         assert got["masters_exact"] and got["module_in_dtype"], got
         assert got["held"] == [False] * 4 + [True, True, False]  # in flight after counts 4 and 5
         assert got["started_applied"] == (1, 1, 1)
+
+
+def test_fragments_split_one_flat_partition_by_element_ranges(results):
+    for r in results:
+        assert r["zero2_fragments"] == {"one_partition": True, "even": True, "exact": [True, True]}, r["zero2_fragments"]
 
 
 @pytest.mark.parametrize("case", ["zero2_fp32", "zero3_bf16"])

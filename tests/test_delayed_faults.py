@@ -33,7 +33,7 @@ def _until_fault(rank, world_size, victim, fault, timeout_s, out):
     averager = HierarchicalAverager(AveragingConfig.create({4: WORLD}, delay_steps=2, collective_timeout_s=timeout_s))
     tensors = [torch.full((1000,), float(rank))]
     if rank == victim:
-        original = delayed_module._pack
+        original = delayed_module.pack_copies
 
         def faulty(*args, **kwargs):
             if averager.step == 4:  # the round of count 4 has agreed: its peers issue their async all-reduces
@@ -42,7 +42,7 @@ def _until_fault(rank, world_size, victim, fault, timeout_s, out):
                 os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             return original(*args, **kwargs)
 
-        delayed_module._pack = faulty
+        delayed_module.pack_copies = faulty
     try:
         for _ in range(12):
             averager.step_and_average(lambda: tensors)

@@ -57,10 +57,14 @@ def _resume(rank, world):
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
 
-    # A run without the delay refuses the round in flight instead of dropping it.
-    plain_model, plain = _build(world, delay_steps=0, fragments=1)
-    with pytest.raises(ValueError, match=r"holds rounds in flight \(periods \['8'\]\).*no delay_steps"):
+    # A run without the delay (the same fragments) refuses the round in flight instead of dropping it.
+    plain_model, plain = _build(world, delay_steps=0)
+    with pytest.raises(ValueError, match=r"round in flight of period 8 .*cannot be resumed: this averager has no delay_steps"):
         plain.load_state_dict(saved["opt"])
+    # Nor does one whose outer optimizer steps other pieces: its momentum is per piece of the saved split.
+    whole_model, whole = _build(world, fragments=1)
+    with pytest.raises(ValueError, match=r"saved with its outer optimizer over fragments=2: tensor 0 \[0:42\).*here it steps whole tensors \(fragments=1\)"):
+        whole.load_state_dict(saved["opt"])
 
     model, opt = _build(world)
     model.load_state_dict(saved["model"])

@@ -71,17 +71,18 @@ class CompressedPayloads:
         return self.gathered.numel()
 
     def result(
-        self, positions: Sequence[int], outer: OuterLevel, live: Sequence[torch.Tensor], metrics: LevelMetrics
+        self, params_of: Sequence[int | None], outer: OuterLevel, live: Sequence[torch.Tensor], metrics: LevelMetrics
     ) -> list[torch.Tensor]:
         """``R`` of the anchored tensors, once the all-gather has completed: the payloads decoded in rank order,
-        their mean stepping the anchors at ``positions`` (the round's positions, in the averaged tensors) once.
-        Returns new tensors shaped and typed like ``live[k]`` for each ``k`` of :attr:`anchored`. Local.
+        their mean stepping the outer optimizer's tensors at ``params_of[k]`` (:attr:`OuterLevel.params`, the
+        anchors or their pieces) once. Returns new tensors shaped and typed like ``live[k]`` for each ``k`` of
+        :attr:`anchored`. Local.
         """
-        assert outer.anchors is not None
+        assert outer.params is not None
         mean = decode_mean(self.codec, self.gathered, self.numel, self.replicas, self.skip)
-        indices = [positions[k] for k in self.anchored]
+        indices = [params_of[k] for k in self.anchored]
         out = [torch.empty_like(live[k]) for k in self.anchored]
-        outer.step_with(_pieces(mean, [outer.anchors[i] for i in indices]), out, indices)
+        outer.step_with(_pieces(mean, [outer.params[i] for i in indices]), out, indices)
         metrics.pseudo_grad_norm = outer.pseudo_grad_norm
         metrics.payload_bytes += self.gathered.shape[1]
         metrics.bytes_sent += self.sent
@@ -95,16 +96,11 @@ class CompressedPayloads:
                 "skip": list(self.skip), "replicas": self.replicas, "sent": self.sent}  # fmt: skip
 
 
-def _anchored(indices: Sequence[int], n_anchored: int) -> list[int]:
-    return [k for k, i in enumerate(indices) if i < n_anchored]
-
-
 @torch.no_grad()
 def encode_round(
     local: Sequence[torch.Tensor],
-    indices: Sequence[int],
+    params_of: Sequence[int | None],
     *,
-    n_anchored: int,
     outer: OuterLevel,
     codec: Codec,
     config: AveragingConfig,
@@ -118,8 +114,9 @@ def encode_round(
     metrics: LevelMetrics,
     what: str,
 ) -> tuple[list[torch.Tensor], CompressedPayloads, list, int]:
-    """Encode this rank's payload of the round over ``local`` (the round's local tensors, at ``indices`` in the
-    averaged tensors; the first ``n_anchored`` of those have anchors), update its residuals, and start the
+    """Encode this rank's payload of the round over ``local`` (the round's local tensors or pieces of them; ``k``
+    with anchors where ``params_of[k]`` is the index of its anchor, or anchor piece, in :attr:`OuterLevel.params`;
+    ``None`` for a buffer), update its residuals (the same pieces of them), and start the
     all-gather of the payloads over ``background`` (asynchronous). The buffers among ``local`` are averaged now,
     synchronously over ``lg``. Nothing live is written.
 
@@ -131,21 +128,21 @@ def encode_round(
     .. warning::
         Collective over ``lg`` (the buffers, when there are any) and ``background`` (the all-gather, started here).
     """
-    assert outer.anchors is not None and lg.group is not None
-    anchored = _anchored(indices, n_anchored)
+    assert outer.anchors is not None and outer.params is not None and lg.group is not None
+    anchored = [k for k, i in enumerate(params_of) if i is not None]
     mine = [local[k] for k in anchored]
     device = mine[0].device if mine else torch.device("cpu")
-    delta = _flat([outer.anchors[indices[k]] for k in anchored], device).sub_(_flat(mine, device))
+    delta = _flat([outer.params[params_of[k]] for k in anchored], device).sub_(_flat(mine, device))
     if replaced:
         delta.zero_()  # non-finite: this rank's payload is left out
     decay = config.level_ef_decay(level_index)
-    own = None if outer.residuals is None else [outer.residuals[indices[k]] for k in anchored]
+    own = None if outer.residuals is None else [outer.at_params(outer.residuals)[params_of[k]] for k in anchored]
     residual = None if own is None or decay == 0 else _flat(own, device)
     payload, new_residual = compute_payload(codec, delta, residual, decay)
     if new_residual is not None and not replaced:  # a skipped replica's residual stays as it was
         if outer.residuals is None:
             outer.residuals = [torch.zeros(a.shape, dtype=torch.float32, device=a.device) for a in outer.anchors]
-        _split_into(new_residual, [outer.residuals[indices[k]] for k in anchored])
+        _split_into(new_residual, [outer.at_params(outer.residuals)[params_of[k]] for k in anchored])
     elif decay == 0:
         outer.residuals = None
     gathered = torch.empty(lg.size * payload.numel(), dtype=torch.uint8, device=payload.device)

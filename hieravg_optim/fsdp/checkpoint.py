@@ -5,6 +5,8 @@ each replica is saved to its own folder ``replica_<r>`` over its ``"shard"`` pro
 Model and optimizer go through ``get_state_dict`` / ``set_state_dict``; the averaging state
 (step count, levels) is saved beside them.
 
+Delayed rounds in flight are saved per rank too, as one object per shard index, ``in_flight.shard_<k>``.
+
 The outer optimizers' anchors, and each outer-state tensor shaped like its anchor (SGD's
 momentum buffer, Adam's moments), are local shards that differ across the ranks of a replica.
 As plain tensors under one key DCP would keep one rank's copy, so they are saved as DTensors
@@ -55,18 +57,13 @@ def _checkpoint_state(
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     averaging = optimizer.averager.state_dict()
-    if averaging.get("in_flight"):
-        # Every rank of the process group has a round in flight at the same counts (the schedule's), so every rank
-        # raises here, before any collective of the save.
-        raise NotImplementedError(
-            f"save_checkpoint at step {averaging['step']} with delayed rounds in flight (periods "
-            f"{sorted(averaging['in_flight'])}): the FSDP checkpoint does not save them yet. Save at a count where no "
-            "round is in flight (outside t+1 .. t+delay_steps of each round), or use the core wrapper or DeepSpeed."
-        )
+    in_flight = averaging.pop(_IN_FLIGHT, None)
     outer_state = averaging.pop(_OUTER, None)
     state: dict[str, Any] = {"hierarchical_averaging": averaging}
     if outer and outer_state:
         state[_OUTER] = _outer_to_checkpoint(outer_state, optimizer)
+    if outer and in_flight:
+        state[_IN_FLIGHT] = {_shard_key(optimizer): _to_blob(in_flight)}
     # Before the first step the inner optimizer has no state; torch's helpers would fill it with a zero-lr step
     # that leaves Adam's "step" at 1. This makes the same state without a step (and the next real step drops it).
     optimizer.initialize_state()
@@ -142,6 +139,11 @@ def save_checkpoint(
     optimizer's ``param_groups``, step counts, tensors of other shapes) is one object under
     ``outer.shard_<k>``, ``k`` being the rank's shard index. Anchors on another device than the mesh's
     (``outer_state_device="cpu"``) are saved from there, without a copy.
+
+    Delayed rounds in flight (``delay_steps``): :meth:`HierarchicalAverager.state_dict` waits for their
+    collectives (no tensor changes), and each rank's rounds (the all-reduced copies and the snapshot of its
+    local shards, their pieces and counts) are one object under ``in_flight.shard_<k>``, written by that rank
+    only; :func:`load_checkpoint` restores them (the same mesh shape), and they are applied at their counts.
 
     .. warning:: Collective over the default process group: every rank must call this.
 
@@ -226,6 +228,17 @@ def _load_replica(
             fix="Resume with the mesh shape, model and trainable parameters that saved the checkpoint.",
         )
         state[_OUTER] = outer_template
+    if any(key.startswith(f"{_IN_FLIGHT}.") for key in metadata.state_dict_metadata):
+        # Rounds in flight at the save: this rank's own entry (its shard's copies and snapshot), by shard index.
+        error = None
+        try:
+            state[_IN_FLIGHT] = {_in_flight_key(metadata, optimizer, folder): b""}
+        except ValueError as exc:
+            error = exc
+        agree_across_ranks(  # before DCP's collectives, as for the outer state
+            "the rounds in flight of the checkpoint", None, shard_group, error=error,
+            fix="Resume with the mesh shape that saved the checkpoint.",
+        )  # fmt: skip
     # A rank whose local shard of a parameter is empty (FSDP1 with uneven shards) has no entry for it while the
     # checkpoint has one; DefaultLoadPlanner then guesses "a checkpoint older than torch 2.4" and flattens
     # differently, silently skipping entries. _ExactLoadPlanner loads exactly this rank's entries, and still
@@ -244,6 +257,10 @@ def _load_replica(
     averaging = dict(state["hierarchical_averaging"])
     if outer_template is not None:
         averaging[_OUTER] = _outer_from_checkpoint(state[_OUTER], optimizer)
+    if _IN_FLIGHT in state:
+        blob = state[_IN_FLIGHT][_shard_key(optimizer)]
+        device = next((t.device for t in optimizer.tensors_to_average()), torch.device("cpu"))
+        averaging[_IN_FLIGHT] = torch.load(io.BytesIO(blob), map_location=device, weights_only=True)
     try:
         optimizer.averager.load_state_dict(averaging, optimizer.tensors_to_average())
     except ValueError as exc:  # local; raised on every rank by load_checkpoint's agreement
@@ -251,6 +268,33 @@ def _load_replica(
             f"Loading the averaging state of the checkpoint at {folder}: {exc} Resume with the model, mesh shape and "
             "trainable parameters that saved it."
         ) from exc
+
+
+# -- rounds in flight -------------------------------------------------------------------------------------------------
+_IN_FLIGHT = "in_flight"
+
+
+def _to_blob(obj: object) -> bytes:
+    blob = io.BytesIO()
+    torch.save(obj, blob)
+    return blob.getvalue()
+
+
+def _in_flight_key(metadata: Metadata, optimizer: FSDPHierarchicalAveragingOptimizer, folder: str) -> str:
+    """This rank's key of the checkpoint's rounds in flight (``shard_<k>``), read from its metadata.
+
+    Raises:
+        ValueError: if the checkpoint has no entry for this rank's shard index (another number of shards).
+    """
+    saved = sorted(k[len(_IN_FLIGHT) + 1 :] for k in metadata.state_dict_metadata if k.startswith(f"{_IN_FLIGHT}."))
+    mine = _shard_key(optimizer)
+    if mine not in saved:
+        raise ValueError(
+            f"The checkpoint at {folder} was saved with delayed rounds in flight, for shard indexes {saved}, but this "
+            f"rank holds {mine}: a round in flight holds this rank's shard of the averaged tensors, so resume with "
+            "the mesh shape (replicas, shards per replica) that saved it."
+        )
+    return mine
 
 
 # -- outer optimizers: anchors and state ------------------------------------------------------------------------------
