@@ -313,7 +313,12 @@ class AveragingConfig:
     Given as one number or ``{period: number}`` (compressed periods only). Each round compresses
     ``v = beta * e + delta`` and keeps ``e = v - decode(encode(v))`` on each rank (SparseLoCo,
     https://arxiv.org/abs/2508.15706; MuLoCo, https://arxiv.org/abs/2505.23725, uses 0.9). ``0`` turns error
-    feedback off: no residual is kept (nor saved), and what a round's codec drops is lost."""
+    feedback off: no residual is kept (nor saved), and what a round's codec drops is lost.
+
+    With top-k under a strong outer momentum (Nesterov 0.7 / 0.9) a decay near 1 sends an element with several
+    rounds of pseudo-gradient at once, which the momentum then amplifies: measured on the chars LM, top-k 1%
+    with ``ef_decay`` 1.0 ends worse than 0 there, and better than 0 with no outer optimizer or momentum 0.5
+    (``docs/compression.md``, "Error feedback and the outer optimizer")."""
 
     log_metrics_every: int | None = None
     """Log the averaging metrics at INFO through the ``hieravg_optim.optimizer`` logger every this many steps
