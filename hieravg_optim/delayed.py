@@ -397,7 +397,7 @@ class DelayedRounds:
     # -- checkpoints -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[int, dict[str, Any]]:
         """The rounds in flight, each waited for first (its collective completes; no tensor changes): per period
-        ``{"fragment", "pieces", "started", "apply_at", "result", "snapshot", "replaced", "payload"}``,
+        ``{"fragment", "pieces", "started", "apply_at", "result", "snapshot", "replaced", "payload", "group_size"}``,
         ``pieces`` the round's element ranges ``[position, start, stop]``, ``result`` this rank's copies all-reduced
         (the mean over the group) and ``snapshot`` its ``theta_t`` (or ``None``), one tensor per piece, sharded like
         the averaged tensors. Empty when none is in flight.
@@ -411,6 +411,7 @@ class DelayedRounds:
             out[self.config.levels[li].period] = {
                 "fragment": r.fragment, "pieces": [list(p) for p in r.pieces], "started": r.started, "apply_at": r.apply_at,
                 "result": r.wire, "snapshot": r.snapshot, "replaced": r.replaced, "payload": r.payload,
+                "group_size": self.level_groups[li].size,
                 **({"compressed": r.compressed.state()} if r.compressed is not None else {}),
             }  # fmt: skip
         return out
@@ -437,7 +438,9 @@ class DelayedRounds:
                 )
             li = periods.index(period)
             lg = self.level_groups[li]
-            rounds[li] = saved_round(entry, where, step, self.delays[li], level_index=li, lg=lg)
+            rounds[li] = saved_round(
+                entry, where, step, self.delays[li], level_index=li, lg=lg, correction=self.corrections[li]
+            )
             codec = self.config.level_compress(li) if lg.group is not None else None
             device = rounds[li].wire[0].device if rounds[li].wire else torch.device("cpu")
             rounds[li].compressed = load_payloads(entry, codec, lg, where, device)

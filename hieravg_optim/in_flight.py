@@ -152,13 +152,18 @@ def _round_pieces(entry: Mapping[str, Any], result: Sequence[torch.Tensor]) -> t
     return tuple(out)
 
 
-def saved_round(entry: object, where: str, step: int, delay: int, *, level_index: int, lg: LevelGroup) -> InFlightRound:
+def saved_round(
+    entry: object, where: str, step: int, delay: int, *, level_index: int, lg: LevelGroup, correction: str
+) -> InFlightRound:
     """The round of one saved ``"in_flight"`` entry (:meth:`hieravg_optim.delayed.DelayedRounds.state_dict`'s
-    form), checked against the saved count ``step`` and the level's ``delay``; finished (its collective done), its
-    compressed payloads not read here. Local.
+    form), checked against the saved count ``step``, the level's ``delay``, its group size and its
+    ``delay_correction`` ``correction`` (the round is applied with this averager's: ``"none"`` drops a saved
+    snapshot); finished (its collective done), its compressed payloads not read here. Local.
 
     Raises:
-        ValueError: naming ``where``, for a malformed entry or counts that do not fit ``step`` and ``delay``.
+        ValueError: naming ``where``, for a malformed entry, counts that do not fit ``step`` and ``delay``, another
+            group size (the saved mean is over another group), or ``correction="eager"`` for a round saved
+            without its snapshot (``"none"``).
     """
     keys = {"fragment", "pieces", "started", "apply_at", "result", "snapshot", "replaced"}
     if not isinstance(entry, Mapping) or not keys - {"pieces"} <= set(entry) or not {"pieces", "positions"} & set(entry):
@@ -181,6 +186,21 @@ def saved_round(entry: object, where: str, step: int, delay: int, *, level_index
             f"{where} started at count {started!r} and is applied at {apply_at!r}, which does not fit the saved "
             f"count {step} and delay_steps={delay} here: resume with the saved run's settings."
         )
+    size = entry.get("group_size", lg.size)
+    if size != lg.size:
+        raise ValueError(
+            f"{where} is the mean over a group of {size!r} ranks, but this level's group has {lg.size}: the round "
+            "cannot be applied to another group. Resume with the saved run's world size and levels, or from a "
+            "checkpoint saved without a round in flight (after apply_rounds_in_flight)."
+        )
+    if correction == "eager" and snapshot is None and not entry["replaced"]:
+        raise ValueError(
+            f"{where} was saved with delay_correction='none' (without the snapshot theta_t), but this averager "
+            "applies it with delay_correction='eager', which needs theta_t: resume with the saved run's "
+            "delay_correction, or from a checkpoint saved without a round in flight (after apply_rounds_in_flight)."
+        )
+    if correction != "eager":
+        snapshot = None  # "none": the round's mean R alone, as this averager's setting says
     return InFlightRound(
         level_index=level_index, fragment=entry["fragment"], pieces=pieces, started=started,
         apply_at=apply_at, name=f"{round_name(started, lg)[:-1]}, delayed, resumed)",

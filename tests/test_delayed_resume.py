@@ -8,6 +8,7 @@ parameters equal those of 20 uninterrupted steps (allclose 1e-6; they are equal 
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -65,6 +66,21 @@ def _resume(rank, world):
     whole_model, whole = _build(world, fragments=1)
     with pytest.raises(ValueError, match=r"saved with its outer optimizer over fragments=2: tensor 0 \[0:42\).*here it steps whole tensors \(fragments=1\)"):
         whole.load_state_dict(saved["opt"])
+
+    # The resumed round is applied with this run's delay_correction: "none" drops the snapshot; "eager" refuses a
+    # round saved without one; a round saved by a group of another size is refused.
+    none_model, none = _build(world, delay_correction="none")
+    none.load_state_dict(saved["opt"])
+    assert none.averager._delayed.in_flight[1].snapshot is None
+    for change, message in (
+        ({"snapshot": None}, r"saved with delay_correction='none' .* applies it with delay_correction='eager'"),
+        ({"group_size": 2}, rf"mean over a group of 2 ranks, but this level's group has {world}"),
+    ):
+        changed = copy.deepcopy(saved["opt"])
+        changed["hierarchical_averaging"]["in_flight"][8].update(change)
+        other_model, other = _build(world)
+        with pytest.raises(ValueError, match=message):
+            other.load_state_dict(changed)
 
     model, opt = _build(world)
     model.load_state_dict(saved["model"])
