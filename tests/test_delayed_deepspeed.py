@@ -4,7 +4,8 @@ The section averages every 4 steps with ``delay_steps`` 2 after a local warm-up 
 count 4 and is applied at count 6. The fp32 master weights are gathered (DeepSpeed's own accessors) right before
 the round starts (``theta_4`` per replica) and right before it is applied (``theta_6``); after the step at count
 6 every rank's masters equal exactly ``(theta_4[replica 0] + theta_4[replica 1]) / 2 + (theta_6 - theta_4)`` of
-its replica, computed in float32 in that order, and the module holds them rounded to its dtype. A checkpoint
+its replica, computed in float32 in that order, and the module holds them rounded to its dtype. The round of count 8,
+landed at count 9 by ``get_averaging(engine).apply_rounds_in_flight()``, follows the same formula and reaches the module. A checkpoint
 saved with the round in flight (after count 5) resumes to the uninterrupted run, bitwise; one with a compressed
 round in flight (``compress`` int8 with error feedback under Nesterov at the same level, ZeRO-1), bitwise too.
 ZeRO-2 with ``fragments`` 4: the fragments are element ranges of the one flat fp32 partition each rank holds.
@@ -51,7 +52,7 @@ def _applied_case(rank, name, stage, prec):
     expected = [(a + b) / 2 + (c - d) for a, b, c, d in zip(snap[0], snap[S], live[k * S], snap[k * S])]
     masters, module = _full_masters(engine), _full_module(engine)
     metrics = state.metrics()[4]
-    return {
+    out = {
         "masters_exact": all(m.equal(e) for m, e in zip(masters, expected)),
         "module_in_dtype": all(a.equal(m.to(_dtype(engine)).float()) for a, m in zip(module, masters)),
         "replicas_differed": any(not a.equal(b) for a, b in zip(snap[0], snap[S])),
@@ -59,6 +60,23 @@ def _applied_case(rank, name, stage, prec):
         "held": [h > 0 for h in held],
         "started_applied": (metrics["rounds_started"], metrics["rounds_applied"], metrics["rounds"]),
     }
+    # Counts 7, 8: the round of count 8 starts; apply_rounds_in_flight() lands it now (not at count 10) with the
+    # same formula, no progress made since, and pushes the masters into the module.
+    for step in range(7, 9):
+        _micro_step(engine, rank, step)
+    applied = state.apply_rounds_in_flight()
+    snap, live = _gather(captured["start"]), _gather(captured["apply"])
+    expected = [(a + b) / 2 + (c - d) for a, b, c, d in zip(snap[0], snap[S], live[k * S], snap[k * S])]
+    masters, module = _full_masters(engine), _full_module(engine)
+    out["at_end"] = {
+        "applied": applied,
+        "again": state.apply_rounds_in_flight(),
+        "count": state.step,
+        "masters_exact": all(m.equal(e) for m, e in zip(masters, expected)),
+        "module_in_dtype": all(a.equal(m.to(_dtype(engine)).float()) for a, m in zip(module, masters)),
+        "in_flight_bytes": state.metrics()[4]["bytes_in_flight"],
+    }
+    return out
 
 
 def _resume_case(rank, name, stage, prec, folder, section=SECTION):
@@ -155,6 +173,9 @@ def test_delayed_round_applies_the_eager_formula_to_the_masters(results, case):
         assert got["masters_exact"] and got["module_in_dtype"], got
         assert got["held"] == [False] * 4 + [True, True, False]  # in flight after counts 4 and 5
         assert got["started_applied"] == (1, 1, 1)
+        # get_averaging(engine).apply_rounds_in_flight() at count 9: the round of count 8 lands, once.
+        assert got["at_end"] == {"applied": 1, "again": 0, "count": 9, "masters_exact": True, "module_in_dtype": True,
+                                 "in_flight_bytes": 0}, got["at_end"]  # fmt: skip
 
 
 def test_fragments_split_one_flat_partition_by_element_ranges(results):
