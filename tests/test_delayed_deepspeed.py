@@ -4,9 +4,9 @@ The section averages every 4 steps with ``delay_steps`` 2 after a local warm-up 
 count 4 and is applied at count 6. The fp32 master weights are gathered (DeepSpeed's own accessors) right before
 the round starts (``theta_4`` per replica) and right before it is applied (``theta_6``); after the step at count
 6 every rank's masters equal exactly ``(theta_4[replica 0] + theta_4[replica 1]) / 2 + (theta_6 - theta_4)`` of
-its replica, computed in float32 in that order, and the module holds them rounded to its dtype. The round of count 8,
-landed at count 9 by ``get_averaging(engine).apply_rounds_in_flight()``, follows the same formula and reaches the module. A checkpoint
-saved with the round in flight (after count 5) resumes to the uninterrupted run, bitwise; one with a compressed
+its replica, computed in float32 in that order, and the module holds them rounded to its dtype. The round of
+count 8, landed at count 9 by ``get_averaging(engine).apply_rounds_in_flight()``, follows the same formula and
+reaches the module. A checkpoint saved with the round in flight (after count 5) resumes to the uninterrupted run, bitwise; one with a compressed
 round in flight (``compress`` int8 with error feedback under Nesterov at the same level, ZeRO-1), bitwise too.
 ZeRO-2 with ``fragments`` 4: the fragments are element ranges of the one flat fp32 partition each rank holds.
 """
