@@ -349,6 +349,21 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
                 delayed.in_flight[li] = round_
         return max(touched, default=None)
 
+    def _level_index(self, level_index: object) -> int:
+        """``level_index`` as an index into :attr:`level_groups` (negative ones count from the top). Local.
+
+        Raises:
+            ValueError: for anything but an integer in ``[-L, L)``, ``L`` the number of levels, naming the levels.
+        """
+        n = len(self.level_groups)
+        if isinstance(level_index, bool) or not isinstance(level_index, int) or not -n <= level_index < n:
+            periods = [lg.level.period for lg in self.level_groups]
+            raise ValueError(
+                f"level_index must be an integer from {-n} to {n - 1} (the levels of the periods {periods}, -1 the top "
+                f"one), got {level_index!r}."
+            )
+        return level_index % n
+
     @eager_under_compile
     def apply_rounds_in_flight(self, tensors: Sequence[torch.Tensor]) -> int:
         """Wait for every delayed round in flight and apply it to ``tensors`` now, before its apply count.
@@ -431,9 +446,10 @@ class HierarchicalAverager(OuterAnchorsMixin, AveragingStateMixin, MetricsMixin)
             WireOverflowError: (a ``RuntimeError``) on every rank of the subgroup, with ``comm_dtype`` float16
                 at this level and ``nonfinite`` other than ``"ignore"``, if the float16 sums overflowed; every
                 tensor is left unchanged (see :func:`hieravg_optim.averaging.average_tensors_`).
+            ValueError: if ``level_index`` is not the index of a level (before any collective).
             Exception: ``error``, if given.
         """
-        level_index = range(len(self.level_groups))[level_index]
+        level_index = self._level_index(level_index)
         replaced = average_round(
             tensors,
             config=self.config,

@@ -451,6 +451,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
         change. Mirrors DeepSpeed's ``get_averaging(engine).average_now``.
 
         Raises:
+            ValueError: if ``level_index`` is not the index of a level, before any collective.
             RuntimeError: on every rank of the subgroup if its ranks disagree on the tensors or the frozen
                 parameters, or a collective fails (naming the round and the ranks).
 
@@ -458,6 +459,7 @@ class HierarchicalAveragingOptimizer(torch.optim.Optimizer):
             Collective over this rank's subgroup at that level (and over the groups of the rounds in flight):
             every rank of the process group must call it, with the same ``level_index``.
         """
+        level_index = self.averager._level_index(level_index)  # a bad index raises before any collective
         self.apply_rounds_in_flight()
         tensors = self.tensors_to_average()
         self.averager.average(level_index, tensors, error=self._round_error(), context=self._frozen_context())

@@ -317,6 +317,20 @@ def _schedules(rank: int, world_size: int) -> dict:
     return {"rounds": seen}
 
 
+def _bad_level_index(rank: int, world_size: int) -> list:
+    """``average_now`` with an index that is not a level: a ValueError naming it and the levels, before any
+    collective (the group still pairs up afterwards); a good one still averages."""
+    from hieravg_optim import HierarchicalAveragingOptimizer
+
+    p = nn.Parameter(torch.full((2,), float(rank)))
+    opt = HierarchicalAveragingOptimizer(torch.optim.SGD([p], lr=0.0), {2: 2, 4: world_size})
+    messages = [_raises(lambda: opt.average_now(bad), ValueError)[1] for bad in (2, -3, 1.0, True)]
+    _group_still_works(rank, world_size)
+    opt.average_now(-2)  # the level of period 2: pairs {0, 1}, {2, 3}
+    assert torch.equal(p.detach(), torch.full((2,), float(rank // 2 * 2) + 0.5)), p
+    return messages
+
+
 def _core_scenarios(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     return {
@@ -326,6 +340,7 @@ def _core_scenarios(rank: int, world_size: int) -> dict:
         "asymmetric_models": _asymmetric_models(rank, world_size),
         "aliasing_and_numerics": _aliasing_and_numerics(rank, world_size),
         "schedules": _schedules(rank, world_size),
+        "bad_level_index": _bad_level_index(rank, world_size),
     }
 
 
@@ -340,6 +355,15 @@ def test_config_bad_on_one_rank_raises_on_every_rank(core):
         expected = ["ValueError"] * 4 + ["TypeError", "ValueError", "NotImplementedError", "RuntimeError"]
         expected.append("UserWarning")
         assert names == (expected if rank == 1 else ["RuntimeError"] * 9)
+
+
+def test_a_level_index_that_is_no_level_is_a_value_error(core):
+    for r in core:
+        for got, bad in zip(r["bad_level_index"], ("2", "-3", "1.0", "True")):
+            assert got == (
+                f"level_index must be an integer from -2 to 1 (the levels of the periods [2, 4], -1 the top one), "
+                f"got {bad}."
+            ), got
 
 
 def test_checkpoint_loaded_on_some_ranks_raises_at_the_first_step(core):

@@ -327,6 +327,7 @@ class DeepSpeedAveraging:
         .. warning::
             Collective over this rank's subgroup at that level and over its replica.
         """
+        level_index = self.averager._level_index(level_index)  # a bad index raises before any collective
         self.apply_rounds_in_flight()
         self.averager.average(level_index, self.tensors_to_average(), context=self._frozen_context())
         self._after_round(level_index)
