@@ -38,7 +38,7 @@ from .fragments import (
     Piece, fragment_of, landing_error, level_splits, piece_view, plan_pieces, split_fragments, split_key, tensor_marks,
 )
 from .groups import LevelGroup, build_level_groups, timeout_seconds
-from .in_flight import InFlightRound, pack_copies, saved_round
+from .in_flight import InFlightRound, check_meaning, pack_copies, saved_round
 from .metrics import LevelMetrics, bytes_sent
 from .nonfinite import has_nonfinite
 from .round_start import agree_round, sync_anchors
@@ -411,8 +411,20 @@ class DelayedRounds:
             out[self.config.levels[li].period] = {
                 "fragment": r.fragment, "pieces": [list(p) for p in r.pieces], "started": r.started, "apply_at": r.apply_at,
                 "result": r.wire, "snapshot": r.snapshot, "replaced": r.replaced, "payload": r.payload,
+                "meaning": self.meaning(li, compressed=r.compressed is not None),
                 **({"compressed": r.compressed.state()} if r.compressed is not None else {}),
             }  # fmt: skip
+        return out
+
+    def meaning(self, level_index: int, *, compressed: bool) -> dict[str, Any]:
+        """What a round in flight at the level means besides its tensors (saved with it, checked at a resume by
+        :func:`~hieravg_optim.in_flight.check_meaning`): the level's delay settings, fragments and group's ranks;
+        with ``compressed``, its codec's ``describe()`` and ``ef_decay``. Pure."""
+        li, codec = level_index, self.config.level_compress(level_index)
+        out = {"delay_steps": self.delays[li], "delay_correction": self.corrections[li], "delay_mixing": self.mixing[li],
+               "fragments": self.fragments[li], "group_ranks": list(self.level_groups[li].ranks)}  # fmt: skip
+        if compressed and codec is not None:
+            out.update(compress=codec.describe(), ef_decay=self.config.level_ef_decay(li))
         return out
 
     def check_state(self, saved: object, step: int) -> dict[int, InFlightRound]:
@@ -437,6 +449,8 @@ class DelayedRounds:
                 )
             li = periods.index(period)
             lg = self.level_groups[li]
+            if isinstance(entry, Mapping):
+                check_meaning(entry, self.meaning(li, compressed="compressed" in entry), where)
             rounds[li] = saved_round(entry, where, step, self.delays[li], level_index=li, lg=lg)
             codec = self.config.level_compress(li) if lg.group is not None else None
             device = rounds[li].wire[0].device if rounds[li].wire else torch.device("cpu")
