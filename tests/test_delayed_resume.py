@@ -65,6 +65,13 @@ def _resume(rank, world):
     whole_model, whole = _build(world, fragments=1)
     with pytest.raises(ValueError, match=r"saved with its outer optimizer over fragments=2: tensor 0 \[0:42\).*here it steps whole tensors \(fragments=1\)"):
         whole.load_state_dict(saved["opt"])
+    # Nor one that would give it another meaning: another correction, another split into fragments.
+    _, other = _build(world, delay_correction="none")
+    with pytest.raises(ValueError, match=r"started with delay_correction='eager', but this averager has delay_correction='none': resume with the saved run's delay_correction"):
+        other.load_state_dict(saved["opt"])
+    _, other = _build(world, fragments={8: 1}, outer_optimizers=None)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"started with fragments=2, but this averager has fragments=1"):
+        other.load_state_dict(saved["opt"])
 
     model, opt = _build(world)
     model.load_state_dict(saved["model"])
