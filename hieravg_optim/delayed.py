@@ -200,7 +200,8 @@ class DelayedRounds:
         if codec is not None and error is None:  # unsynced: this rank's anchors' delta, computed again after
             try:  # the compressed delta, read by the non-finite check and then encoded: an fp32 overflow is caught
                 params_of = outers.params_of(outer, pieces, len(tensors))
-                encoded = encoded_delta([local_tensor(t) for t in chosen], params_of, outer, config.level_ef_decay(level_index))
+                decay = config.level_ef_decay(level_index)
+                encoded = encoded_delta([local_tensor(t) for t in chosen], params_of, outer, decay)
             except RuntimeError as exc:
                 error = exc
         if lg.group is not None:
@@ -439,8 +440,9 @@ class DelayedRounds:
         :func:`~hieravg_optim.in_flight.check_meaning`): the level's delay settings, fragments and group's ranks;
         with ``compressed``, its codec's ``describe()`` and ``ef_decay``. Pure."""
         li, codec = level_index, self.config.level_compress(level_index)
-        out = {"delay_steps": self.delays[li], "delay_correction": self.corrections[li], "delay_mixing": self.mixing[li],
-               "fragments": self.fragments[li], "group_ranks": list(self.level_groups[li].ranks)}  # fmt: skip
+        out = {"delay_steps": self.delays[li], "delay_correction": self.corrections[li],
+               "delay_mixing": self.mixing[li], "fragments": self.fragments[li],
+               "group_ranks": list(self.level_groups[li].ranks)}  # fmt: skip
         if compressed and codec is not None:
             out.update(compress=codec.describe(), ef_decay=self.config.level_ef_decay(li))
         return out

@@ -209,7 +209,9 @@ def _resume(rank, codec):
     # An uncompressed run refuses the compressed round in flight instead of misreading it.
     from hieravg_optim import AveragingConfig, HierarchicalAverager
 
-    plain = HierarchicalAverager(AveragingConfig.create(LEVELS, delay_steps={4: 2}, delay_mixing={4: 0.25}, outer_optimizers=None))
+    plain = HierarchicalAverager(
+        AveragingConfig.create(LEVELS, delay_steps={4: 2}, delay_mixing={4: 0.25}, outer_optimizers=None)
+    )
     refused = pytest.raises(ValueError, match=r"saved by a compressed level.*resume with the saved run's compress")
     with pytest.warns(UserWarning, match="no outer optimizer: they are not loaded"), refused:
         plain.load_state_dict(saved["averaging"], [t.clone() for t in saved["tensors"]])
