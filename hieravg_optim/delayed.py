@@ -30,7 +30,7 @@ from .anchors import OuterLevels
 from .averaging import BucketPool, average_tensors_
 from .averaging.checked_wire import CHECKED_WIRE
 from .comm_dtype import wire_dtype
-from .compression.delayed import encode_round, load_payloads
+from .compression.delayed import encode_round, encoded_delta, load_payloads
 from .compression.round import residual_error
 from .config import AveragingConfig
 from .faults import named_collective
@@ -38,7 +38,7 @@ from .fragments import (
     Piece, fragment_of, landing_error, level_splits, piece_view, plan_pieces, split_fragments, split_key, tensor_marks,
 )
 from .groups import LevelGroup, build_level_groups, timeout_seconds
-from .in_flight import InFlightRound, pack_copies, saved_round
+from .in_flight import InFlightRound, check_meaning, pack_copies, saved_round
 from .metrics import LevelMetrics, bytes_sent
 from .nonfinite import has_nonfinite
 from .round_start import agree_round, sync_anchors
@@ -47,6 +47,16 @@ from .schedule import period_of_key
 from .tensors import local_tensor
 
 __all__ = ["DelayedRounds", "InFlightRound", "split_fragments"]
+
+
+def _unencoded(
+    chosen: Sequence[torch.Tensor], params_of: Sequence[int | None] | None, encoded: torch.Tensor | None
+) -> list[torch.Tensor]:
+    """What the non-finite check of a round reads: its tensors, or, for a compressed round whose delta is
+    ``encoded`` (:func:`~hieravg_optim.compression.delayed.encoded_delta`), that delta and the buffers."""
+    if encoded is None or params_of is None:
+        return [local_tensor(t) for t in chosen]
+    return [encoded, *(local_tensor(t) for t, i in zip(chosen, params_of) if i is None)]
 
 
 class DelayedRounds:
@@ -186,6 +196,14 @@ class DelayedRounds:
         comm_dtype = config.comm_dtype[level_index] if config.comm_dtype else None
         eager = self.corrections[level_index] == "eager" and tau > 0
         replaced, divisor, bad = False, None, []
+        encoded = params_of = None
+        if codec is not None and error is None:  # unsynced: this rank's anchors' delta, computed again after
+            try:  # the compressed delta, read by the non-finite check and then encoded: an fp32 overflow is caught
+                params_of = outers.params_of(outer, pieces, len(tensors))
+                decay = config.level_ef_decay(level_index)
+                encoded = encoded_delta([local_tensor(t) for t in chosen], params_of, outer, decay)
+            except RuntimeError as exc:
+                error = exc
         if lg.group is not None:
             with torch.no_grad(), named_collective(name, lg.ranks, timeout_s=timeout_seconds(config, lg.group)):
                 unsynced = outer is not None and not outer.synced
@@ -196,7 +214,7 @@ class DelayedRounds:
                              **({"compress": codec.describe()} if codec is not None else {}),
                              **outers.context(level_index), **(context or {})},
                     error=error, replica_group=replica_group, replica_ranks=replica_ranks, anchors_unsynced=unsynced,
-                    local_nonfinite=lambda: has_nonfinite([local_tensor(t) for t in chosen])
+                    local_nonfinite=lambda: has_nonfinite(_unencoded(chosen, params_of, encoded))
                     or (unsynced and has_nonfinite(outer.anchors)),
                 )  # fmt: skip
                 replaced = dist.get_rank() in bad
@@ -204,6 +222,7 @@ class DelayedRounds:
                     metrics.payload_bytes += sync_anchors(
                         outer, lg, outers.part(tensors), pool, config, replaced, divisor
                     )
+                    encoded = None  # the delta to the averaged anchors (encode_round's)
         elif error is not None:
             raise error
         bg = self.background.get(level_index, lg)
@@ -234,9 +253,9 @@ class DelayedRounds:
         metrics.rounds_started += 1
         if codec is not None:  # the payloads travel instead (hieravg_optim.compression.delayed)
             round_.wire, round_.compressed, round_.works, round_.payload = encode_round(
-                local, outers.params_of(outer, pieces, len(tensors)), outer=outer, codec=codec, config=config,
-                level_index=level_index, lg=lg, background=bg.group, pool=pool, divisor=divisor, bad=bad,
-                replaced=replaced, metrics=metrics, what=name,
+                local, params_of or outers.params_of(outer, pieces, len(tensors)), outer=outer, codec=codec,
+                config=config, level_index=level_index, lg=lg, background=bg.group, pool=pool, divisor=divisor,
+                bad=bad, replaced=replaced, metrics=metrics, what=name, encoded=encoded,
             )  # fmt: skip
         elif lg.group is None:
             round_.finished = True
@@ -412,8 +431,21 @@ class DelayedRounds:
                 "fragment": r.fragment, "pieces": [list(p) for p in r.pieces], "started": r.started, "apply_at": r.apply_at,
                 "result": r.wire, "snapshot": r.snapshot, "replaced": r.replaced, "payload": r.payload,
                 "group_size": self.level_groups[li].size,
+                "meaning": self.meaning(li, compressed=r.compressed is not None),
                 **({"compressed": r.compressed.state()} if r.compressed is not None else {}),
             }  # fmt: skip
+        return out
+
+    def meaning(self, level_index: int, *, compressed: bool) -> dict[str, Any]:
+        """What a round in flight at the level means besides its tensors (saved with it, checked at a resume by
+        :func:`~hieravg_optim.in_flight.check_meaning`): the level's delay settings, fragments and group's ranks;
+        with ``compressed``, its codec's ``describe()`` and ``ef_decay``. Pure."""
+        li, codec = level_index, self.config.level_compress(level_index)
+        out = {"delay_steps": self.delays[li], "delay_correction": self.corrections[li],
+               "delay_mixing": self.mixing[li], "fragments": self.fragments[li],
+               "group_ranks": list(self.level_groups[li].ranks)}  # fmt: skip
+        if compressed and codec is not None:
+            out.update(compress=codec.describe(), ef_decay=self.config.level_ef_decay(li))
         return out
 
     def check_state(self, saved: object, step: int) -> dict[int, InFlightRound]:
@@ -438,6 +470,8 @@ class DelayedRounds:
                 )
             li = periods.index(period)
             lg = self.level_groups[li]
+            if isinstance(entry, Mapping):
+                check_meaning(entry, self.meaning(li, compressed="compressed" in entry), where)
             rounds[li] = saved_round(
                 entry, where, step, self.delays[li], level_index=li, lg=lg, correction=self.corrections[li]
             )

@@ -22,7 +22,7 @@ from .groups import LevelGroup
 from .rounds import round_name
 from ._validation import is_int
 
-__all__ = ["InFlightRound", "pack_copies", "saved_round"]
+__all__ = ["InFlightRound", "check_meaning", "pack_copies", "saved_round"]
 
 
 def pack_copies(
@@ -150,6 +150,37 @@ def _round_pieces(entry: Mapping[str, Any], result: Sequence[torch.Tensor]) -> t
             return None
         out.append((i, a, b))
     return tuple(out)
+
+
+def check_meaning(entry: Mapping[str, Any], present: Mapping[str, Any], where: str) -> None:
+    """Check the settings a saved round in flight was started under (its ``"meaning"`` entry: the level's
+    ``delay_steps``, ``delay_correction``, ``delay_mixing``, ``fragments``, its group's ranks (``group_ranks``); with
+    ``compress``, the codec's ``describe()`` and ``ef_decay``) against ``present``, this averager's. An entry saved
+    without ``"meaning"`` (before it was saved) is not checked. Local.
+
+    Raises:
+        ValueError: naming ``where``, the setting, its saved and its present value, and the fix.
+    """
+    saved = entry.get("meaning")
+    if saved is None:
+        return
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"{where}: its 'meaning' entry must be a mapping, as state_dict() saves it.")
+    for key, value in present.items():
+        if key in saved and _plain(saved[key]) != _plain(value):
+            raise ValueError(
+                f"{where} was started with {key}={_plain(saved[key])!r}, but this averager has {key}="
+                f"{_plain(value)!r}: resume with the saved run's {key}, or save at a count with no round in flight."
+            )
+
+
+def _plain(value: object) -> object:
+    """``value`` with tuples as lists (a saved entry may hold either)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def saved_round(

@@ -92,6 +92,11 @@ def skip_nonfinite(
     named = f"rank{'s' if len(bad) > 1 else ''} {bad} (replica{'s' if len(replicas) > 1 else ''} {replicas})"
     if anchors:
         named = f"{named} (or in the anchors of the outer optimizer, taken there and not yet averaged)"
+    if config.compress and lg.level in config.levels and config.level_compress(config.levels.index(lg.level)):
+        named = (
+            f"{named} (or in the delta encoded at this compressed level, anchor - theta + ef_decay * residual, "
+            "which overflows float32 for large finite tensors)"
+        )
     finite = lg.size - len(bad)
     if config.nonfinite == "raise" or finite == 0:
         cause = (

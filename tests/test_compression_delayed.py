@@ -209,10 +209,29 @@ def _resume(rank, codec):
     # An uncompressed run refuses the compressed round in flight instead of misreading it.
     from hieravg_optim import AveragingConfig, HierarchicalAverager
 
-    plain = HierarchicalAverager(AveragingConfig.create(LEVELS, delay_steps={4: 2}, outer_optimizers=None))
+    plain = HierarchicalAverager(
+        AveragingConfig.create(LEVELS, delay_steps={4: 2}, delay_mixing={4: 0.25}, outer_optimizers=None)
+    )
     refused = pytest.raises(ValueError, match=r"saved by a compressed level.*resume with the saved run's compress")
     with pytest.warns(UserWarning, match="no outer optimizer: they are not loaded"), refused:
         plain.load_state_dict(saved["averaging"], [t.clone() for t in saved["tensors"]])
+    # Another meaning of the same payloads is refused too, naming the saved and the present value (load is local).
+    from hieravg_optim.compression import TopK
+
+    other_values = TopK(density=codec.density, chunk=codec.chunk, values="bfloat16")
+    for changed, named in [
+        ((other_values, *settings[1:]), "compress={'type': 'topk'.*'values': 'int8'}.*'values': 'bfloat16'}"),
+        ((codec, 0.5, *settings[2:]), "ef_decay=0.9.*ef_decay=0.5"),
+        ((*settings[:4], "none", *settings[5:]), "delay_correction='eager'.*delay_correction='none'"),
+        ((*settings[:5], 0.5, settings[6]), "delay_mixing=0.25.*delay_mixing=0.5"),
+    ]:
+        with pytest.raises(ValueError, match=named + ": resume with the saved run's .*, or save at a count with no"):
+            _averager(*changed).load_state_dict(saved["averaging"], [t.clone() for t in saved["tensors"]])
+    moved = {**saved["averaging"], "in_flight": {4: {**entry, "meaning": {**entry["meaning"], "group_ranks": [0, 1]}}}}
+    with pytest.raises(ValueError, match=r"group_ranks=\[0, 1\], but this averager has group_ranks=\[0, 1, 2, 3\]"):
+        _averager(*settings).load_state_dict(moved, [t.clone() for t in saved["tensors"]])
+    old = {**saved["averaging"], "in_flight": {4: {k: v for k, v in entry.items() if k != "meaning"}}}
+    _averager(*settings).load_state_dict(old, [t.clone() for t in saved["tensors"]])  # saved before: not checked
     return worst
 
 
@@ -243,6 +262,24 @@ def _nonfinite(rank, codec):
     everyone = [torch.empty_like(mine) for _ in range(WORLD)]
     dist.all_gather(everyone, mine)
     assert bool(torch.isfinite(mine).all()) and all(torch.equal(x, mine) for x in everyone)
+    # Finite tensors whose delta overflows float32 (anchors 2**126, rank 1 at -3e38; 3 anchors still sum finite):
+    # the same, delayed or not.
+    for tau in (1, 0):
+        for policy in ("raise", "skip_replica"):
+            averager = _averager(codec, 1.0, tau, 1, "none", 0.0, None, nonfinite=policy)
+            tensors = [torch.full(SHAPE, 2.0**126) for _ in range(N_TENSORS)]
+            averager.take_anchors(tensors)
+            if rank == 1:
+                tensors[1].fill_(-3e38)
+            if policy == "raise":
+                with pytest.raises(RuntimeError, match=r"Non-finite values .* rank \[1\] .*delta encoded"):
+                    averager.step_and_average(lambda: tensors)
+                assert averager._outers.by_level[1].residuals is None
+                assert tau == 0 or not averager._delayed.in_flight
+                continue
+            for _ in range(tau + 1):
+                averager.step_and_average(lambda: tensors)
+            assert all(torch.equal(t, torch.full(SHAPE, 2.0**126)) for t in tensors), (tau, rank, tensors[1][:2])
     return True
 
 

@@ -198,4 +198,5 @@ def test_deepspeed_resume_with_a_compressed_round_in_flight(results):
         got = r["resume_compressed_zero1_fp32"]
         assert got["in_flight_loaded"] == [0] and got["compressed"] == [True], got
         assert len(got["saved_keys"]) == 1 and "compressed" in got["saved_keys"][0], got  # in this rank's own file
+        assert "meaning" in got["saved_keys"][0], got  # checked at the load as the core state dict's
         assert got["equal"] and got["diff"] == 0.0, got  # the payloads decoded in rank order: bitwise

@@ -66,17 +66,26 @@ def _resume(rank, world):
     whole_model, whole = _build(world, fragments=1)
     with pytest.raises(ValueError, match=r"saved with its outer optimizer over fragments=2: tensor 0 \[0:42\).*here it steps whole tensors \(fragments=1\)"):
         whole.load_state_dict(saved["opt"])
+    # Nor one that would give it another meaning: another correction, another split into fragments.
+    _, other = _build(world, delay_correction="none")
+    with pytest.raises(ValueError, match=r"started with delay_correction='eager', but this averager has delay_correction='none': resume with the saved run's delay_correction"):
+        other.load_state_dict(saved["opt"])
+    _, other = _build(world, fragments={8: 1}, outer_optimizers=None)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"started with fragments=2, but this averager has fragments=1"):
+        other.load_state_dict(saved["opt"])
 
-    # The resumed round is applied with this run's delay_correction: "none" drops the snapshot; "eager" refuses a
-    # round saved without one; a round saved by a group of another size is refused.
+    # A round saved without "meaning" (by the versions before it) is applied with this run's delay_correction:
+    # "none" drops the snapshot; "eager" refuses a round saved without one; a group of another size is refused.
+    legacy = copy.deepcopy(saved["opt"])
+    del legacy["hierarchical_averaging"]["in_flight"][8]["meaning"]
     none_model, none = _build(world, delay_correction="none")
-    none.load_state_dict(saved["opt"])
+    none.load_state_dict(legacy)
     assert none.averager._delayed.in_flight[1].snapshot is None
     for change, message in (
         ({"snapshot": None}, r"saved with delay_correction='none' .* applies it with delay_correction='eager'"),
         ({"group_size": 2}, rf"mean over a group of 2 ranks, but this level's group has {world}"),
     ):
-        changed = copy.deepcopy(saved["opt"])
+        changed = copy.deepcopy(legacy)
         changed["hierarchical_averaging"]["in_flight"][8].update(change)
         other_model, other = _build(world)
         with pytest.raises(ValueError, match=message):

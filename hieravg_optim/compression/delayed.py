@@ -45,7 +45,24 @@ from ..metrics import LevelMetrics, bytes_sent
 from .codecs import Codec
 from .round import _flat, _norm, _pieces, _split_into, compute_payload, decode_mean
 
-__all__ = ["CompressedPayloads", "encode_round", "load_payloads"]
+__all__ = ["CompressedPayloads", "encode_round", "encoded_delta", "load_payloads"]
+
+
+def encoded_delta(
+    local: Sequence[torch.Tensor], params_of: Sequence[int | None], outer: OuterLevel, decay: float
+) -> torch.Tensor:
+    """What this rank encodes for the anchored among ``local`` (``params_of`` as :func:`encode_round`'s): the flat
+    fp32 ``v = (anchor - theta) + decay * residual``. Non-finite exactly where a tensor, anchor or residual is, or
+    where the difference overflows fp32 (finite tensors of opposite signs near the fp32 limit), so the non-finite
+    check of the round reads ``v`` instead of the tensors. Local, new storage."""
+    assert outer.params is not None
+    anchored = [k for k, i in enumerate(params_of) if i is not None]
+    mine = [local[k] for k in anchored]
+    device = mine[0].device if mine else torch.device("cpu")
+    v = _flat([outer.params[params_of[k]] for k in anchored], device).sub_(_flat(mine, device))
+    if outer.residuals is not None and decay != 0:
+        v.add_(_flat([outer.at_params(outer.residuals)[params_of[k]] for k in anchored], device), alpha=decay)
+    return v
 
 
 @dataclass(eq=False)
@@ -113,10 +130,12 @@ def encode_round(
     replaced: bool,
     metrics: LevelMetrics,
     what: str,
+    encoded: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], CompressedPayloads, list, int]:
     """Encode this rank's payload of the round over ``local`` (the round's local tensors or pieces of them; ``k``
     with anchors where ``params_of[k]`` is the index of its anchor, or anchor piece, in :attr:`OuterLevel.params`;
-    ``None`` for a buffer), update its residuals (the same pieces of them), and start the
+    ``None`` for a buffer; ``encoded``: their :func:`encoded_delta` if already computed, written here), update
+    its residuals (the same pieces of them), and start the
     all-gather of the payloads over ``background`` (asynchronous). The buffers among ``local`` are averaged now,
     synchronously over ``lg``. Nothing live is written.
 
@@ -130,15 +149,11 @@ def encode_round(
     """
     assert outer.anchors is not None and outer.params is not None and lg.group is not None
     anchored = [k for k, i in enumerate(params_of) if i is not None]
-    mine = [local[k] for k in anchored]
-    device = mine[0].device if mine else torch.device("cpu")
-    delta = _flat([outer.params[params_of[k]] for k in anchored], device).sub_(_flat(mine, device))
-    if replaced:
-        delta.zero_()  # non-finite: this rank's payload is left out
     decay = config.level_ef_decay(level_index)
-    own = None if outer.residuals is None else [outer.at_params(outer.residuals)[params_of[k]] for k in anchored]
-    residual = None if own is None or decay == 0 else _flat(own, device)
-    payload, new_residual = compute_payload(codec, delta, residual, decay)
+    v = encoded_delta(local, params_of, outer, decay) if encoded is None else encoded
+    if replaced:
+        v.zero_()  # non-finite: this rank's payload is left out
+    payload, new_residual = compute_payload(codec, v, None, decay)
     if new_residual is not None and not replaced:  # a skipped replica's residual stays as it was
         if outer.residuals is None:
             outer.residuals = [torch.zeros(a.shape, dtype=torch.float32, device=a.device) for a in outer.anchors]
@@ -160,7 +175,7 @@ def encode_round(
         )  # fmt: skip
         for k, c in zip(rest, copies):
             wire[k] = c
-    numel = delta.numel()
+    numel = v.numel()
     metrics.uncompressed_bytes += bytes_sent(4 * numel, lg)
     payloads = CompressedPayloads(
         codec=codec, gathered=gathered.view(lg.size, payload.numel()), anchored=tuple(anchored), numel=numel,

@@ -218,6 +218,14 @@ def compressed_round(
         unsynced = not outer.synced
         if error is None:
             error = residual_error(outer, local, lg)
+        device = local[0].device if local else torch.device("cpu")
+        residual = None if outer.residuals is None or decay == 0 or error else _flat(outer.residuals, device)
+        # What is encoded, read by the non-finite check (an fp32 overflow of finite tensors is caught): flat, the
+        # delta plus the residual; node-aware, the delta (the residual is the node's shard). After the first
+        # average of the anchors (unsynced), it is this rank's anchors' delta, computed again after that average.
+        delta = None if error is not None else _flat(outer.anchors, device).sub_(_flat(local, device))
+        if delta is not None and residual is not None and lg.node is None:
+            delta, residual = delta.add_(residual, alpha=decay), None
         bad, divisor = agree_round(
             tensors, config=config, process_group=process_group, lg=lg, step=step, name=name,
             what=f"the parameters to average at step {step} (period {lg.level.period}, group size "
@@ -225,7 +233,8 @@ def compressed_round(
             context={"compress": codec.describe(), **outers.context(level_index), **(context or {})}, error=error,
             replica_group=replica_group, replica_ranks=replica_ranks, anchors_unsynced=unsynced,
             # before anything is compressed: a non-finite delta is a non-finite tensor (or anchor)
-            local_nonfinite=lambda: has_nonfinite([*local, *rest]) or (unsynced and has_nonfinite(outer.anchors)),
+            local_nonfinite=lambda: has_nonfinite([*(local if delta is None else [delta]), *rest])
+            or (unsynced and has_nonfinite(outer.anchors)),
         )  # fmt: skip
         replaced = dist.get_rank() in bad
         comm_dtype = config.comm_dtype[level_index] if config.comm_dtype else None
@@ -240,14 +249,15 @@ def compressed_round(
         if unsynced:
             synced = sync_anchors(outer, lg, local, pool, config, replaced, divisor)
             payload, sent = payload + synced, sent + bytes_sent(synced, lg)
-        device = local[0].device if local else torch.device("cpu")
         numel = sum(t.numel() for t in local)
-        delta = _flat(outer.anchors, device).sub_(_flat(local, device))
+        if unsynced:
+            delta = _flat(outer.anchors, device).sub_(_flat(local, device))
+            if residual is None and lg.node is None and outer.residuals is not None and decay != 0:
+                delta.add_(_flat(outer.residuals, device), alpha=decay)
         if replaced:
             delta.zero_()  # non-finite: this rank's payload is left out (flat) or adds zeros (node-aware)
         skip = [lg.ranks.index(r) for r in bad]
         replicas = float(lg.size if divisor is None else divisor)
-        residual = None if outer.residuals is None or decay == 0 else _flat(outer.residuals, device)
         if lg.node is None:
             mine, new_residual = compute_payload(codec, delta, residual, decay)
             gathered = exchange(mine, lg.group, lg.size)
