@@ -182,7 +182,7 @@ class DelayedRounds:
         if fragment is not None:
             name = f"{name[:-1]}, fragment {fragment} of {self.fragments[level_index]})"
         if tau:
-            name = f"{name[:-1]}, delayed {tau} steps)"
+            name = f"{name[:-1]}, delayed {tau} step{'s' if tau != 1 else ''})"
         outer = outers.by_level[level_index]
         if outer is not None and error is None:
             error = outers.error(level_index, tensors, count, config.warmup_steps)

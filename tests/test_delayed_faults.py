@@ -27,13 +27,26 @@ pytestmark = pytest.mark.timeout(default_timeout(240))
 
 
 def _until_fault(rank, world_size, victim, fault, timeout_s, out):
-    from hieravg_optim import AveragingConfig, HierarchicalAverager
+    from hieravg_optim import AveragingConfig, HierarchicalAverager, HierarchicalAveragingOptimizer
     from hieravg_optim import delayed as delayed_module
+    from hieravg_optim.compression import delayed as compressed_module
 
-    averager = HierarchicalAverager(AveragingConfig.create({4: WORLD}, delay_steps=2, collective_timeout_s=timeout_s))
-    tensors = [torch.full((1000,), float(rank))]
+    fault, _, where = fault.partition("-")
+    if where == "compressed_buffers":  # int8 and a buffer, averaged synchronously (uncompressed) at the start
+        p = torch.nn.Parameter(torch.full((1000,), float(rank)))
+        opt = HierarchicalAveragingOptimizer(torch.optim.SGD([p], lr=0.0), {4: WORLD}, delay_steps=2, compress="int8",
+                                             buffers=[torch.full((5,), float(rank))], collective_timeout_s=timeout_s)  # fmt: skip
+        averager, step = opt.averager, opt.step
+        module, name = compressed_module, "average_tensors_"
+    else:
+        averager = HierarchicalAverager(
+            AveragingConfig.create({4: WORLD}, delay_steps=2, collective_timeout_s=timeout_s)
+        )
+        tensors = [torch.full((1000,), float(rank))]
+        step = lambda: averager.step_and_average(lambda: tensors)  # noqa: E731
+        module, name = delayed_module, "pack_copies"
     if rank == victim:
-        original = delayed_module.pack_copies
+        original = getattr(module, name)
 
         def faulty(*args, **kwargs):
             if averager.step == 4:  # the round of count 4 has agreed: its peers issue their async all-reduces
@@ -42,10 +55,10 @@ def _until_fault(rank, world_size, victim, fault, timeout_s, out):
                 os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             return original(*args, **kwargs)
 
-        delayed_module.pack_copies = faulty
+        setattr(module, name, faulty)
     try:
         for _ in range(12):
-            averager.step_and_average(lambda: tensors)
+            step()
     except RuntimeError as exc:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"t": time.monotonic(), "message": str(exc), "type": type(exc).__name__, "step": averager.step}, f)
@@ -86,17 +99,21 @@ def _run_fault(fault, victim, timeout_s):
         return seen
 
 
-@pytest.mark.parametrize("fault, timeout_s", [("kill", 5.0), ("stop", 4.0)])
+@pytest.mark.parametrize("fault, timeout_s", [("kill", 5.0), ("stop", 4.0), ("kill-compressed_buffers", 5.0)])
 def test_a_peer_lost_during_a_round_in_flight_is_named_where_it_is_waited_for(fault, timeout_s):
+    """``kill-compressed_buffers``: the victim dies in the buffers' synchronous average at the start of a compressed
+    delayed round (count 4), where the survivors raise, naming the round too."""
     seen = _run_fault(fault, victim=2, timeout_s=timeout_s)
     print("delays after the fault, s:", {r: round(s["delay"], 2) for r, s in seen.items()})
+    at_start = fault.endswith("compressed_buffers")
+    where = "" if at_start else " (waited for at step 6)"
     for r, s in seen.items():
         assert s["exitcode"] == 1 and s["type"] == "CollectiveError", (r, s)
-        assert "the averaging round at step 4 (period 4, group size 4, delayed 2 steps) (waited for at step 6)" in (
+        assert f"the averaging round at step 4 (period 4, group size 4, delayed 2 steps){where}" in (
             s["message"]
         ), s["message"]
         assert "in the group of ranks [0, 1, 2, 3]" in s["message"] and "dead or hung peer" in s["message"]
-        assert s["step"] == 6, s  # raised in the step at count 6, before the count advanced
+        assert s["step"] == (4 if at_start else 6), s  # raised in that count's step, before the count advanced
         assert s["delay"] <= timeout_s + BOUND_S, s
 
 

@@ -40,7 +40,8 @@ from .._handover import hand_over
 from ..anchors import OuterLevel
 from ..averaging import BucketPool, average_tensors_
 from ..config import AveragingConfig
-from ..groups import LevelGroup
+from ..faults import named_collective
+from ..groups import LevelGroup, timeout_seconds
 from ..metrics import LevelMetrics, bytes_sent
 from .codecs import Codec
 from .round import _flat, _norm, _pieces, _split_into, compute_payload, decode_mean
@@ -169,10 +170,12 @@ def encode_round(
     if rest:
         copies = [local[k].clone() for k in rest]
         comm_dtype = config.comm_dtype[level_index] if config.comm_dtype else None
-        uncompressed = average_tensors_(
-            copies, lg.group, lg.size, bucket_cap_bytes=config.bucket_cap_bytes, pool=pool, divisor=divisor,
-            comm_dtype=comm_dtype, check_wire=config.nonfinite != "ignore", what=what, contribute_zeros=replaced,
-        )  # fmt: skip
+        # The buffers' synchronous average: a dead or hung peer here is named as the round's (what) is.
+        with named_collective(what, lg.ranks, timeout_s=timeout_seconds(config, lg.group)):
+            uncompressed = average_tensors_(
+                copies, lg.group, lg.size, bucket_cap_bytes=config.bucket_cap_bytes, pool=pool, divisor=divisor,
+                comm_dtype=comm_dtype, check_wire=config.nonfinite != "ignore", what=what, contribute_zeros=replaced,
+            )  # fmt: skip
         for k, c in zip(rest, copies):
             wire[k] = c
     numel = v.numel()
