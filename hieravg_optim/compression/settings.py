@@ -150,9 +150,8 @@ def parse_ef_decay(
     """The error-feedback decay of each level, in level order; ``()`` when every level has the default, 1.0.
 
     Raises:
-        ValueError: for a value outside ``[0, 1]``, a period (in ``{period: decay}``) that is not a period of a
-            level or has no ``compress``, or one number other than 1.0 when no level has
-            ``compress``.
+        ValueError: for a value outside ``[0, 1]``, or a period (in ``{period: decay}``) that is not a period of a
+            level or has no ``compress``.
     """
     if value is None:
         return ()
@@ -171,14 +170,7 @@ def parse_ef_decay(
             by_period[period] = _decay(decay, f"[{key!r}]")
         decays = tuple(by_period.get(p, 1.0) for p in periods)
     else:
-        decay = _decay(value, "")
-        if decay != 1.0 and not any(spec is not None for spec in compress):  # the default, given, is accepted
-            raise setting_error(
-                "ef_decay", value, json=None,
-                message=f"ef_decay={value!r} is given, but no level has compress, so no level keeps error feedback: "
-                "set compress (e.g. compress={period: \"int8\"}) or drop ef_decay.",
-            )  # fmt: skip
-        decays = (decay,) * len(levels)
+        decays = (_decay(value, ""),) * len(levels)
     return () if all(d == 1.0 for d in decays) else decays
 
 
