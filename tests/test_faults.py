@@ -38,6 +38,7 @@ def _train_until_fault(
     """Step until the fault; the victim injects it at the round of step count ``count``: after the round's
     agreement or, ``sharded`` (2 replicas of 2 shards, one level of 4), before its replica's finiteness check."""
     from hieravg_optim import HierarchicalAveragingOptimizer
+    from hieravg_optim import round_start as round_start_module
     from hieravg_optim import rounds as averager_module
 
     param = nn.Parameter(torch.full((1000,), float(rank)))
@@ -46,6 +47,8 @@ def _train_until_fault(
         ranks_per_replica=2 if sharded else 1,
     )  # fmt: skip
     if rank == victim:
+        # The replica's finiteness vote runs in round_start (the start every round shares); the all-reduce in rounds.
+        averager_module = round_start_module if sharded else averager_module
         name = "replica_any" if sharded else "average_tensors_"
         original = getattr(averager_module, name)
 
