@@ -590,3 +590,20 @@ def test_fsdp_resume_with_a_missing_replica_raises_on_every_rank(tmp_path):
     results = run_distributed(_fsdp_missing_replica, 4, str(tmp_path), timeout=180, pg_timeout=PG_TIMEOUT)
     assert [r["error"] for r in results] == ["RuntimeError"] * 2 + ["FileNotFoundError"] * 2
     assert [r["bad_cap"].startswith("Rank 3 failed while checking") for r in results] == [True] * 3 + [False]
+
+
+def test_agreement_signature_cache_is_the_signature_of_the_tensors_now():
+    """The agreement caches each (shape, dtype, strides) list's signature: a tensor resized in place, a view that
+    overlaps itself or another dtype is a new key, whose signature and digest are those computed from scratch."""
+    from hieravg_optim.agreement import _digest_text, _signature_with_repr, digest, tensor_signature
+
+    t = torch.zeros(3, 4)
+    cases = [[t, torch.zeros(5)], [t.t(), torch.zeros(5)], [t, torch.zeros(5).expand(2, 5)], [t.half(), torch.zeros(5)]]
+    context = {"step count": 7}
+    for tensors in cases + cases:  # the second pass reads the cache
+        signature, text = _signature_with_repr(tensors)
+        assert signature == tensor_signature(tensors) and text == repr(signature)
+        assert _digest_text(f"[{context!r}, {text}]") == digest([context, tensor_signature(tensors)])
+    before = _signature_with_repr([t])[0]
+    t.resize_(2, 6)
+    assert _signature_with_repr([t])[0] == [((2, 6), "float32")] != before
