@@ -68,9 +68,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import PeakMemory, environment, median, spawn, transformer_shapes, write_json  # noqa: E402
 
 MODELS = {
+    "1M": dict(d_model=96, layers=6, vocab=4096),
     "10M": dict(d_model=256, layers=10, vocab=8192),
+    "42M": dict(d_model=512, layers=12, vocab=8192),
     "100M": dict(d_model=768, layers=12, vocab=16384),
 }
+"""The default run (``--models``) takes 10M and 100M; 1M and 42M are for the sweep of the paths' crossover by size."""
 
 
 def _make(shapes, rank, torch):
