@@ -10,7 +10,6 @@ peers then issue their background all-reduces and step on). Every survivor raise
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import tempfile
@@ -19,7 +18,7 @@ import time
 import pytest
 import torch
 
-from tests.harness import _child, default_timeout, run_distributed, wait_for_survivors
+from tests.harness import _child, default_timeout, mp_context, run_distributed, wait_for_survivors
 
 WORLD = 4
 BOUND_S = 10.0
@@ -67,13 +66,13 @@ def _until_fault(rank, world_size, victim, fault, timeout_s, out):
 
 
 def _run_fault(fault, victim, timeout_s):
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hieravg-delayed-faults-") as tmp:
         args = (victim, fault, timeout_s, tmp)
         procs = [
             ctx.Process(target=_child, args=(_until_fault, r, WORLD, os.path.join(tmp, "rendezvous"), args, results,
-                                             60.0, {}), daemon=True)  # fmt: skip
+                                             60.0, {}, dict(os.environ)), daemon=True)  # fmt: skip
             for r in range(WORLD)
         ]
         for p in procs:

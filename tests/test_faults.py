@@ -11,7 +11,6 @@ failure (killed at the test's deadline).
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import tempfile
@@ -21,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import _child, default_timeout, run_distributed, run_scenarios, wait_for_survivors
+from tests.harness import _child, default_timeout, mp_context, run_distributed, run_scenarios, wait_for_survivors
 
 WORLD = 4
 LEVELS = {1: 2, 2: 4}  # count 1, 3, ...: pairs {0, 1} and {2, 3}; count 0, 2, ...: all four ranks
@@ -72,14 +71,15 @@ def _train_until_fault(
 
 def _run_fault(fault: str, victim: int, count: int, timeout_s: float, sharded: bool = False) -> dict[int, dict]:
     """Spawn the 4 ranks, wait for every survivor to exit, then kill the victim. Returns what each survivor saw."""
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hieravg-faults-") as tmp:
         args = (victim, fault, count, timeout_s, tmp, sharded)
         procs = [
             ctx.Process(
                 target=_child,
-                args=(_train_until_fault, r, WORLD, os.path.join(tmp, "rendezvous"), args, results, 60.0, {}),
+                args=(_train_until_fault, r, WORLD, os.path.join(tmp, "rendezvous"), args, results, 60.0, {},
+                      dict(os.environ)),
                 daemon=True,
             )
             for r in range(WORLD)

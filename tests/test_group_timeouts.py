@@ -12,7 +12,6 @@ timeout plus ``BOUND_S``, those in the averaging round naming its level.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import tempfile
@@ -23,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import _child, default_timeout, run_distributed, wait_for_survivors
+from tests.harness import _child, default_timeout, mp_context, run_distributed, wait_for_survivors
 
 pytestmark = pytest.mark.timeout(default_timeout(400))
 
@@ -182,14 +181,15 @@ def _train_until_stopped(rank: int, world_size: int, layout: str, timeout_s: flo
 
 
 def _run(layout: str, timeout_s: float | None, pg_timeout_s: float, victim: int = 1) -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hieravg-timeouts-") as tmp:
         args = (layout, timeout_s, victim, tmp)
         procs = [
             ctx.Process(
                 target=_child,
-                args=(_train_until_stopped, r, WORLD, os.path.join(tmp, "rendezvous"), args, results, pg_timeout_s, {}),
+                args=(_train_until_stopped, r, WORLD, os.path.join(tmp, "rendezvous"), args, results, pg_timeout_s, {},
+                      dict(os.environ)),
                 daemon=True,
             )
             for r in range(WORLD)
