@@ -90,14 +90,18 @@ def eager_under_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     Under tracing, :func:`torch.compiler.is_compiling` is true and the call goes through
     :func:`torch.compiler.disable`'s version of ``fn``; in eager mode the call costs one function call more,
     where ``torch.compiler.disable`` alone would cost its context switch at every call (measured with
-    ``bench/overhead.py``: about 2 microseconds per wrapped step).
+    ``bench/overhead.py``: about 2 microseconds per wrapped step). The disabled version is made at the first traced
+    call, not at import: :func:`torch.compiler.disable` imports ``torch._dynamo`` (0.8 s), which a run that never
+    compiles does not need.
     """
-    disabled = torch.compiler.disable(fn)
+    disabled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
+            if not disabled:
+                disabled.append(torch.compiler.disable(fn))
+            return disabled[0](*args, **kwargs)
         return fn(*args, **kwargs)
 
     return call

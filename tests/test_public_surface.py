@@ -286,3 +286,14 @@ def test_state_dict_keys():
         assert r["outer"] == ["anchors", "optimizer", "synced"]
         assert r["step"] == (3, 3)
         assert r["anchors"] == 2
+
+
+def test_importing_the_package_does_not_import_dynamo():
+    """``torch.compiler.disable`` (which imports ``torch._dynamo``, 0.8 s) is called at the first traced round, not at
+    import: a run that never compiles does not pay for it. A fresh interpreter, so that no other test imported it."""
+    import subprocess
+    import sys
+
+    code = "import sys, hieravg_optim, hieravg_optim.fsdp; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out
