@@ -6,19 +6,45 @@ Supported: torch 2.4 and later. Each shim names the releases it covers; drop it 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-try:  # torch >= 2.5
+if TYPE_CHECKING:  # imported at first use below (module __getattr__)
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.placement_types import Placement
-except ImportError:  # pragma: no cover - torch 2.4
-    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
-    from torch.distributed._tensor.placement_types import Placement  # type: ignore[no-redef]
+
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # torch >= 2.5; torch 2.4
+
+
+def __getattr__(name: str) -> Any:
+    """``DTensor``, ``Placement``, ``Replicate`` and ``Shard``, imported at first use: ``torch.distributed.tensor``
+    takes 0.7 s to import, which the core needs only for :func:`is_dtensor` (that imports nothing)."""
+    if name not in ("DTensor", "Placement", "Replicate", "Shard"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:  # torch >= 2.5
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor.placement_types import Placement
+    except ImportError:  # pragma: no cover - torch 2.4
+        from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
+        from torch.distributed._tensor.placement_types import Placement  # type: ignore[no-redef]
+    found = {"DTensor": DTensor, "Placement": Placement, "Replicate": Replicate, "Shard": Shard}
+    globals().update(found)
+    return found[name]
+
+
+def is_dtensor(t: object) -> bool:
+    """``isinstance(t, DTensor)``, without importing ``torch.distributed.tensor``: no object is a DTensor before that
+    module is imported."""
+    for name in _DTENSOR_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and isinstance(t, getattr(module, "DTensor", ())):
+            return True
+    return False
 
 __all__ = [
     "DTensor",
@@ -30,6 +56,7 @@ __all__ = [
     "all_gather_single",
     "fsdp2_param_groups",
     "fully_shard",
+    "is_dtensor",
     "process_group_timeout",
     "reduce_scatter_single",
 ]

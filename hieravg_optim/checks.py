@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ._compat import DTensor
+from ._compat import is_dtensor
 from .config import AveragingConfig
 from .groups import averaging_subgroup_ranks
 from .schedule import AveragingLevel
 from .tensors import local_tensor, unique_params
+
+if TYPE_CHECKING:  # annotations only: importing DTensor costs 0.7 s
+    from ._compat import DTensor
 
 __all__ = [
     "add_checked_param_group",
@@ -82,7 +85,7 @@ def check_dtensor_layout(
     """
     cache: dict[tuple[int, tuple], tuple[list[int], set[int]] | None] = {}
     for g, i, p in params:
-        if not isinstance(p, DTensor):
+        if not is_dtensor(p):
             continue
         key = (id(p.device_mesh), tuple(p.placements))
         if key not in cache:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._compat import DTensor
+from ._compat import is_dtensor
 
 __all__ = ["local_tensor", "overlaps_itself", "unique_params"]
 
@@ -17,7 +17,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
     Both share storage with ``t``; nothing is copied and nothing is rebound.
     """
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         return t.to_local().detach()
     return t.detach()
 

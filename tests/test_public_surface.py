@@ -288,12 +288,20 @@ def test_state_dict_keys():
         assert r["anchors"] == 2
 
 
-def test_importing_the_package_does_not_import_dynamo():
-    """``torch.compiler.disable`` (which imports ``torch._dynamo``, 0.8 s) is called at the first traced round, not at
-    import: a run that never compiles does not pay for it. A fresh interpreter, so that no other test imported it."""
+def test_importing_the_package_does_not_import_dynamo_or_dtensor():
+    """``torch.compiler.disable`` (which imports ``torch._dynamo``, 0.8 s) is called at the first traced round, and
+    ``torch.distributed.tensor`` (0.7 s) is imported by the FSDP adapter only, not by the core: a run that never
+    compiles nor shards does not pay for them. A fresh interpreter, so that no other test imported them."""
     import subprocess
     import sys
 
-    code = "import sys, hieravg_optim, hieravg_optim.fsdp; print('torch._dynamo' in sys.modules)"
+    code = (
+        "import sys, torch, hieravg_optim\n"
+        "from hieravg_optim.tensors import local_tensor\n"
+        "assert local_tensor(torch.ones(2)).sum() == 2\n"
+        "core = ['torch._dynamo' in sys.modules, 'torch.distributed.tensor' in sys.modules]\n"
+        "import hieravg_optim.fsdp\n"
+        "print(core, 'torch._dynamo' in sys.modules, 'torch.distributed.tensor' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "False", out
+    assert out.stdout.strip() == "[False, False] False True", out
