@@ -38,6 +38,7 @@ __all__ = [
     "mp_context",
     "run_distributed",
     "run_scenarios",
+    "start_ranks",
     "wait_for_survivors",
 ]
 
@@ -139,6 +140,33 @@ def _exit_now(results: mp.Queue, code: int) -> None:
     os._exit(code)
 
 
+def start_ranks(
+    ctx: Any,
+    fn: Callable[..., Any],
+    world_size: int,
+    init_file: str,
+    args: tuple,
+    results: mp.Queue,
+    pg_timeout: float,
+    env: dict[str, str] | None = None,
+) -> list[mp.Process]:
+    """Start ``world_size`` daemon processes ``rank0``, ``rank1``, ... from ``ctx`` (:func:`mp_context`), each running
+    ``fn(rank, world_size, *args)`` in a gloo group that rendezvouses at ``init_file`` and reporting to ``results``,
+    with the environment of this process now plus ``env``. The caller waits for them."""
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, rank, world_size, init_file, args, results, pg_timeout, dict(env or {}), dict(os.environ)),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    return procs
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -161,17 +189,7 @@ def run_distributed(
     results: mp.Queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hieravg-test-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [
-            ctx.Process(
-                target=_child,
-                args=(fn, rank, world_size, init_file, args, results, pg_timeout, dict(env or {}), dict(os.environ)),
-                name=f"rank{rank}",
-                daemon=True,
-            )
-            for rank in range(world_size)
-        ]
-        for p in procs:
-            p.start()
+        procs = start_ranks(ctx, fn, world_size, init_file, args, results, pg_timeout, env)
         outputs: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout

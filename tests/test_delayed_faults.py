@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from tests.harness import _child, default_timeout, mp_context, run_distributed, wait_for_survivors
+from tests.harness import default_timeout, mp_context, run_distributed, start_ranks, wait_for_survivors
 
 WORLD = 4
 BOUND_S = 10.0
@@ -70,13 +70,7 @@ def _run_fault(fault, victim, timeout_s):
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hieravg-delayed-faults-") as tmp:
         args = (victim, fault, timeout_s, tmp)
-        procs = [
-            ctx.Process(target=_child, args=(_until_fault, r, WORLD, os.path.join(tmp, "rendezvous"), args, results,
-                                             60.0, {}, dict(os.environ)), daemon=True)  # fmt: skip
-            for r in range(WORLD)
-        ]
-        for p in procs:
-            p.start()
+        procs = start_ranks(ctx, _until_fault, WORLD, os.path.join(tmp, "rendezvous"), args, results, 60.0)
         survivors = [r for r in range(WORLD) if r != victim]
         deadline = time.monotonic() + default_timeout(60.0) + timeout_s + BOUND_S
         try:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import _child, default_timeout, mp_context, run_distributed, run_scenarios, wait_for_survivors
+from tests.harness import default_timeout, mp_context, run_distributed, run_scenarios, start_ranks, wait_for_survivors
 
 WORLD = 4
 LEVELS = {1: 2, 2: 4}  # count 1, 3, ...: pairs {0, 1} and {2, 3}; count 0, 2, ...: all four ranks
@@ -75,17 +75,7 @@ def _run_fault(fault: str, victim: int, count: int, timeout_s: float, sharded: b
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hieravg-faults-") as tmp:
         args = (victim, fault, count, timeout_s, tmp, sharded)
-        procs = [
-            ctx.Process(
-                target=_child,
-                args=(_train_until_fault, r, WORLD, os.path.join(tmp, "rendezvous"), args, results, 60.0, {},
-                      dict(os.environ)),
-                daemon=True,
-            )
-            for r in range(WORLD)
-        ]
-        for p in procs:
-            p.start()
+        procs = start_ranks(ctx, _train_until_fault, WORLD, os.path.join(tmp, "rendezvous"), args, results, 60.0)
         survivors = [r for r in range(WORLD) if r != victim]
         deadline = time.monotonic() + default_timeout(60.0) + timeout_s + BOUND_S
         hung = wait_for_survivors(procs, survivors, deadline)

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import _child, default_timeout, mp_context, run_distributed, wait_for_survivors
+from tests.harness import default_timeout, mp_context, run_distributed, start_ranks, wait_for_survivors
 
 pytestmark = pytest.mark.timeout(default_timeout(400))
 
@@ -185,17 +185,8 @@ def _run(layout: str, timeout_s: float | None, pg_timeout_s: float, victim: int 
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hieravg-timeouts-") as tmp:
         args = (layout, timeout_s, victim, tmp)
-        procs = [
-            ctx.Process(
-                target=_child,
-                args=(_train_until_stopped, r, WORLD, os.path.join(tmp, "rendezvous"), args, results, pg_timeout_s, {},
-                      dict(os.environ)),
-                daemon=True,
-            )
-            for r in range(WORLD)
-        ]
-        for p in procs:
-            p.start()
+        rendezvous = os.path.join(tmp, "rendezvous")
+        procs = start_ranks(ctx, _train_until_stopped, WORLD, rendezvous, args, results, pg_timeout_s)
         survivors = [r for r in range(WORLD) if r != victim]
         limit = timeout_s if timeout_s is not None else pg_timeout_s
         deadline = time.monotonic() + default_timeout(90.0) + limit + BOUND_S
