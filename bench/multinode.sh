@@ -18,6 +18,10 @@
 #   hier_delay, hier_frag, hier_delay_frag: hier with delay_steps=DELAY_STEPS (default 8), fragments=FRAGMENTS
 #         (default 4), or both (the delay then one below the fragment spacing PERIOD / FRAGMENTS) on the
 #         cross-node level (issue 24; compared with hier);
+#   hier_node_delay: hier_node with delay_steps=DELAY_STEPS on the cross-node level (issue 24; compared with
+#         hier_node): a round is hidden only when it fits in DELAY_STEPS inner steps, and the node-aware round
+#         moves half the ring's bytes across the link; hier_node_delay_frag: hier_node with FRAGMENTS fragments
+#         and the delay one below their spacing;
 #   hier_node_int8, hier_node_topk: hier_node with the cross-node level compressed, int8 or top-k of density
 #         TOPK_DENSITY (default 0.01) with int8 values (issue 25; compared with hier_node).
 # MODES (default "ddp hier") picks the runs, in that order. The issue-24 and issue-25 modes need a

@@ -12,6 +12,10 @@ plain SGD, ``--steps`` steps, per-rank batch ``--batch``. Modes:
 * ``hier_delay``: ``hier`` with ``delay_steps=--delay-steps`` on the cross-node level (issue 24);
 * ``hier_frag``: ``hier`` with ``fragments=--fragments`` on the cross-node level;
 * ``hier_delay_frag``: both, ``delay_steps`` one below the fragment spacing ``P // --fragments``;
+* ``hier_node_delay``: ``hier_node`` with ``delay_steps=--delay-steps`` on the cross-node level: the node-aware
+  round moves half the ring's bytes across the link, so it can fit in the ``tau`` inner steps it overlaps;
+* ``hier_node_delay_frag``: ``hier_node`` with ``fragments=--fragments`` and ``delay_steps`` one below the fragment
+  spacing on the cross-node level;
 * ``hier_node_int8`` / ``hier_node_topk``: ``hier_node`` with the cross-node level compressed
   (issue 25): ``{"type": "int8"}``, or top-k of density ``--topk-density`` with int8 values.
 
@@ -44,7 +48,10 @@ from hieravg_optim import HierarchicalAveragingOptimizer  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import code_revision, on_level  # noqa: E402
 
-MODES = ("ddp", "hier", "hier_node", "hier_delay", "hier_frag", "hier_delay_frag", "hier_node_int8", "hier_node_topk")
+MODES = (
+    "ddp", "hier", "hier_node", "hier_delay", "hier_frag", "hier_delay_frag", "hier_node_delay",
+    "hier_node_delay_frag", "hier_node_int8", "hier_node_topk",
+)
 
 
 def mode_settings(mode: str, args: argparse.Namespace) -> tuple[bool, dict]:
@@ -57,6 +64,8 @@ def mode_settings(mode: str, args: argparse.Namespace) -> tuple[bool, dict]:
         "hier_delay": (False, {"delay_steps": args.delay_steps}),
         "hier_frag": (False, {"fragments": args.fragments}),
         "hier_delay_frag": (False, {"delay_steps": fragment_delay, "fragments": args.fragments}),
+        "hier_node_delay": (True, {"delay_steps": args.delay_steps}),
+        "hier_node_delay_frag": (True, {"delay_steps": fragment_delay, "fragments": args.fragments}),
         "hier_node_int8": (True, {"compress": {"type": "int8"}}),
         "hier_node_topk": (True, {"compress": topk}),
     }[mode]
