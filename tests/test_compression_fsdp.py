@@ -6,6 +6,9 @@
 * Error-feedback residuals are shaped like the local shards (some uneven, some empty under FSDP2).
 * A DCP resume of int8 with error feedback under Nesterov, saved while the replicas differ, equals the
   uninterrupted run (1e-6); the residuals are restored exactly, saved as DTensors with the shards' layouts.
+* The same with ``delay_steps=2``, saved while a compressed round is in flight (its gathered payloads go into
+  the replica's checkpoint with the round): the resumed run applies it at its count and equals the
+  uninterrupted one (1e-6).
 """
 
 from __future__ import annotations
@@ -62,13 +65,15 @@ def _lossless(rank: int) -> dict:
     return out
 
 
-def _resume(rank: int, folder: str) -> dict:
+def _resume(rank: int, folder: str, delay: int = 0) -> dict:
     from hieravg_optim import nesterov_outer
     from hieravg_optim.fsdp import init_replicate_shard_mesh, load_checkpoint, save_checkpoint
 
     mesh = init_replicate_shard_mesh(SHARDS, "cpu")
-    settings = dict(compress="int8", ef_decay=0.9, outer_optimizers={PERIOD: nesterov_outer()})
-    total, stop = 11, 5  # rounds at counts 0, 3 (saved after), 6 and 9
+    settings = dict(compress="int8", ef_decay=0.9, outer_optimizers={PERIOD: nesterov_outer()}, delay_steps=delay)
+    # Rounds at counts 0, 3, 6 and 9. Synchronous: saved after count 4. Delayed by 2: saved after count 6, whose
+    # round is in flight then (applied at 8).
+    total, stop = 11, 7 if delay else 5
     out = {}
     for config in CONFIGS:
         model, opt = _build(config, mesh, **settings)
@@ -85,6 +90,8 @@ def _resume(rank: int, folder: str) -> dict:
         del model, opt
         model, opt = _build(config, mesh, **settings)
         load_checkpoint(path, model, opt)
+        rounds = opt.averager._delayed  # None without a delay
+        in_flight = {li: (r.started, r.apply_at) for li, r in (rounds.in_flight.items() if rounds else ())}
         # state_dict() holds the residuals themselves: compare before the next round changes them.
         loaded = opt.averager.state_dict()["outer"][PERIOD].get("residuals", [])
         restored = len(loaded) == len(saved) and all(torch.equal(a, b) for a, b in zip(saved, loaded))
@@ -99,12 +106,17 @@ def _resume(rank: int, folder: str) -> dict:
             "restored": restored,
             "nonzero": any(bool(r.abs().sum() > 0) for r in saved),
             "max_diff": float((_flat(_full_params(model)) - straight).abs().max()),
+            "in_flight_at_load": in_flight,
         }
     return out
 
 
 def _scenarios(rank: int, world_size: int, folder: str) -> dict:
-    return run_scenarios({"lossless": _lossless, "resume": lambda r: _resume(r, folder)}, rank)
+    return run_scenarios(
+        {"lossless": _lossless, "resume": lambda r: _resume(r, folder),
+         "resume_in_flight": lambda r: _resume(r, os.path.join(folder, "delayed"), delay=2)},
+        rank,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -121,10 +133,13 @@ def test_lossless_compressed_rounds_are_plain_averaging(results, config):
         assert c["residual_shapes"] == c["local_shapes"], (rank, c)
 
 
+@pytest.mark.parametrize("delayed", [False, True], ids=["synchronous", "in_flight"])
 @pytest.mark.parametrize("config", CONFIGS)
-def test_dcp_resume_with_residuals_equals_uninterrupted(results, config):
+def test_dcp_resume_with_residuals_equals_uninterrupted(results, config, delayed):
     for rank, r in enumerate(results):
-        c = r["resume"][config]
+        c = r["resume_in_flight" if delayed else "resume"][config]
+        # Delayed: the round of count 6 was in flight at the save, and is again after the load (lands at 8).
+        assert c["in_flight_at_load"] == ({0: (6, 8)} if delayed else {}), (rank, c)
         assert c["differed_at_save"] and c["nonzero"], (rank, c)
         assert c["restored"], (rank, c)
         # Sharded like the anchors: one DTensor per averaged tensor, both shards of a replica in it.
