@@ -82,7 +82,8 @@ class OuterLevel:
         """L2 norm of this rank's pseudo-gradient at the level's last round (``None`` before the first)."""
         self.residuals: list[torch.Tensor] | None = None
         """A compressed level's error-feedback residuals on this rank (fp32, with the anchors; ``compress``):
-        shaped like the anchors, or one flat tensor of the node's shard (node-aware); ``None`` before its first
+        shaped like the anchors, or, node-aware, one flat tensor of the node's shard per fragment (one with
+        ``fragments=1``; :func:`hieravg_optim.compression.round.residual_shapes`); ``None`` before its first
         compressed round, after :meth:`take`, or without error feedback."""
 
     # -- anchors -----------------------------------------------------------------------------------
@@ -303,6 +304,21 @@ class OuterLevels:
         split = level_splits(split_key(tensors), (outer.fragments,))[0]
         anchored = len(tensors) - self.skip_last
         return tuple(p for fragment in split for p in fragment if p[0] < anchored)
+
+    def segments(self, outer: OuterLevel, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """Per fragment of ``outer``'s level, the number of its anchored elements on this rank (its pieces of all
+        but the last :attr:`skip_last` of ``tensors``, the whole list): consecutive runs of the flattened anchored
+        tensors, in order; one segment of them all at a level with one fragment. A node-aware compressed level
+        keeps one residual shard per segment. Pure.
+
+        Raises:
+            ValueError: from :func:`hieravg_optim.fragments.split_fragments`.
+        """
+        if outer.fragments == 1:
+            return [sum(t.numel() for t in self.part(tensors))]
+        split = level_splits(split_key(tensors), (outer.fragments,))[0]
+        anchored = len(tensors) - self.skip_last
+        return [sum(b - a for i, a, b in fragment if i < anchored) for fragment in split]
 
     def params_of(self, outer: OuterLevel, pieces: Sequence[Piece], n_tensors: int) -> list[int | None]:
         """Per piece of a round over ``n_tensors`` averaged tensors: the index of its outer tensor in ``outer``'s
