@@ -333,10 +333,11 @@ def _resume(rank, codec, node=False):
     return worst
 
 
-def _nonfinite(rank, codec):
+def _nonfinite(rank, codec, node=False):
     """A NaN on rank 1 at the start of a compressed delayed round: a RuntimeError on every rank, before anything is
-    compressed (no residual, no round in flight); ``skip_replica`` leaves its payload out and gives it ``R``."""
-    averager = _averager(codec, 1.0, 1, 1, "none", 0.0, None)
+    compressed (no residual, no round in flight); ``skip_replica`` leaves its payload out (node-aware: adds zeros
+    to its node's sum) and gives it ``R``."""
+    averager = _averager(codec, 1.0, 1, 1, "none", 0.0, None, node)
     tensors = _start()
     averager.take_anchors(tensors)
     for count in range(4):
@@ -349,7 +350,7 @@ def _nonfinite(rank, codec):
         averager.step_and_average(lambda: tensors)
     after = averager._outers.by_level[1].residuals
     assert not averager._delayed.in_flight and all(torch.equal(a, b) for a, b in zip(before, after))
-    skipping = _averager(codec, 1.0, 1, 1, "none", 0.0, None, nonfinite="skip_replica")
+    skipping = _averager(codec, 1.0, 1, 1, "none", 0.0, None, node, nonfinite="skip_replica")
     tensors = _start()
     skipping.take_anchors(tensors)
     for count in range(6):  # the round of count 4 skips rank 1, applied at 5
@@ -364,7 +365,7 @@ def _nonfinite(rank, codec):
     # the same, delayed or not.
     for tau in (1, 0):
         for policy in ("raise", "skip_replica"):
-            averager = _averager(codec, 1.0, tau, 1, "none", 0.0, None, nonfinite=policy)
+            averager = _averager(codec, 1.0, tau, 1, "none", 0.0, None, node, nonfinite=policy)
             tensors = [torch.full(SHAPE, 2.0**126) for _ in range(N_TENSORS)]
             averager.take_anchors(tensors)
             if rank == 1:
@@ -403,6 +404,7 @@ def _scenarios(rank, world):
             ),
             "node_fragments_sync": lambda r: _run(r, int8, tau=0, fragments=2, correction="none", node=True),
             "node_resume": lambda r: _resume(r, topk, node=True),
+            "node_nonfinite": lambda r: _nonfinite(r, int8, node=True),
         },
         rank,
     )
@@ -416,5 +418,4 @@ def test_compressed_delayed_and_fragment_rounds_follow_the_formula():
                 continue
             assert r[prefix + "delay_none"]["equal_after_apply"] == [True] * 3, (rank, prefix, r[prefix + "delay_none"])
             assert r[prefix + "fragments_sync"]["equal_after_apply"] == [True] * 7, (rank, prefix)
-            assert r[prefix + "resume"] == 0.0
-        assert r["nonfinite"]
+            assert r[prefix + "resume"] == 0.0 and r[prefix + "nonfinite"]
