@@ -134,9 +134,20 @@ class OuterLevel:
         their dtype, in place. With ``pieces`` (a fragment's round, ``fragments``), ``tensors`` are the means of
         those pieces only (:meth:`param_indices`): the others get no pseudo-gradient, and the outer optimizer (which
         skips parameters without ``.grad``, as every ``torch.optim`` optimizer does) leaves them and their state
-        unchanged.
+        unchanged. A round of every tensor at a level with fragments (``pieces`` ``None`` with :attr:`pieces` set:
+        ``average_now``) steps every piece.
         """
         assert self.params is not None and self.optimizer is not None
+        if pieces is None and self.pieces is not None:
+            assert self.anchors is not None
+            grads = [
+                p - tensors[i].detach().reshape(-1)[a:b].to(device=p.device, dtype=torch.float32)
+                for p, (i, a, b) in zip(self.params, self.pieces)
+            ]
+            self.step_with(grads, [torch.empty_like(p) for p in self.params])
+            for a, t in zip(self.anchors, tensors):
+                t.copy_(a.view(t.shape))
+            return
         indices = None if pieces is None else self.param_indices(pieces)
         params = self.params if indices is None else [self.params[i] for i in indices]
         grads = [a - t.to(device=a.device, dtype=torch.float32).view(a.shape) for a, t in zip(params, tensors)]
