@@ -82,7 +82,8 @@ class OuterLevel:
         """L2 norm of this rank's pseudo-gradient at the level's last round (``None`` before the first)."""
         self.residuals: list[torch.Tensor] | None = None
         """A compressed level's error-feedback residuals on this rank (fp32, with the anchors; ``compress``):
-        shaped like the anchors, or one flat tensor of the node's shard (node-aware); ``None`` before its first
+        shaped like the anchors, or, node-aware, one flat tensor of the node's shard per fragment (one with
+        ``fragments=1``; :func:`hieravg_optim.compression.round.residual_shapes`); ``None`` before its first
         compressed round, after :meth:`take`, or without error feedback."""
 
     # -- anchors -----------------------------------------------------------------------------------
@@ -133,9 +134,20 @@ class OuterLevel:
         their dtype, in place. With ``pieces`` (a fragment's round, ``fragments``), ``tensors`` are the means of
         those pieces only (:meth:`param_indices`): the others get no pseudo-gradient, and the outer optimizer (which
         skips parameters without ``.grad``, as every ``torch.optim`` optimizer does) leaves them and their state
-        unchanged.
+        unchanged. A round of every tensor at a level with fragments (``pieces`` ``None`` with :attr:`pieces` set:
+        ``average_now``) steps every piece.
         """
         assert self.params is not None and self.optimizer is not None
+        if pieces is None and self.pieces is not None:
+            assert self.anchors is not None
+            grads = [
+                p - tensors[i].detach().reshape(-1)[a:b].to(device=p.device, dtype=torch.float32)
+                for p, (i, a, b) in zip(self.params, self.pieces)
+            ]
+            self.step_with(grads, [torch.empty_like(p) for p in self.params])
+            for a, t in zip(self.anchors, tensors):
+                t.copy_(a.view(t.shape))
+            return
         indices = None if pieces is None else self.param_indices(pieces)
         params = self.params if indices is None else [self.params[i] for i in indices]
         grads = [a - t.to(device=a.device, dtype=torch.float32).view(a.shape) for a, t in zip(params, tensors)]
@@ -303,6 +315,21 @@ class OuterLevels:
         split = level_splits(split_key(tensors), (outer.fragments,))[0]
         anchored = len(tensors) - self.skip_last
         return tuple(p for fragment in split for p in fragment if p[0] < anchored)
+
+    def segments(self, outer: OuterLevel, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """Per fragment of ``outer``'s level, the number of its anchored elements on this rank (its pieces of all
+        but the last :attr:`skip_last` of ``tensors``, the whole list): consecutive runs of the flattened anchored
+        tensors, in order; one segment of them all at a level with one fragment. A node-aware compressed level
+        keeps one residual shard per segment. Pure.
+
+        Raises:
+            ValueError: from :func:`hieravg_optim.fragments.split_fragments`.
+        """
+        if outer.fragments == 1:
+            return [sum(t.numel() for t in self.part(tensors))]
+        split = level_splits(split_key(tensors), (outer.fragments,))[0]
+        anchored = len(tensors) - self.skip_last
+        return [sum(b - a for i, a, b in fragment if i < anchored) for fragment in split]
 
     def params_of(self, outer: OuterLevel, pieces: Sequence[Piece], n_tensors: int) -> list[int | None]:
         """Per piece of a round over ``n_tensors`` averaged tensors: the index of its outer tensor in ``outer``'s

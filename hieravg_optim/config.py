@@ -300,11 +300,13 @@ class AveragingConfig:
     are taken (the warm-up) it averages plainly. Node-aware (``ranks_per_node``), the node sums its deltas at
     full precision and only the node's shard crosses nodes compressed. With :attr:`delay_steps` or
     :attr:`fragments` at the same level, each round's payloads are encoded at its start, all-gathered in the
-    background and decoded where it is applied (``hieravg_optim.compression.delayed``); a node-aware level with
-    them is a ``NotImplementedError`` at construction. Memory per compressed level: the
-    anchors (one fp32 copy of the averaged tensors) and the residuals (one more), plus, during a round, the
-    payloads of the group. Canonically one :class:`~hieravg_optim.compression.Int8Block` /
-    :class:`~hieravg_optim.compression.TopK` (or ``None``) per level. See ``docs/compression.md``."""
+    background and decoded where it is applied (``hieravg_optim.compression.delayed``); node-aware, the node's
+    full-precision sum runs synchronously at the start and the in-node assembly of the mean at the apply, and only
+    the compressed payloads' all-gather across nodes runs in the background (one residual shard per fragment).
+    Memory per compressed level: the anchors (one fp32 copy of the averaged tensors) and the residuals (one more,
+    or one node shard), plus, during a round, the payloads of the group. Canonically one
+    :class:`~hieravg_optim.compression.Int8Block` / :class:`~hieravg_optim.compression.TopK` (or ``None``) per level.
+    See ``docs/compression.md``."""
 
     ef_decay: tuple[float, ...] = ()
     """The error-feedback decay ``beta`` of each compressed level, in ``[0, 1]``; ``()`` (default): 1.0 at

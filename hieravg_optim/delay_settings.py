@@ -75,14 +75,6 @@ def _values(config: Any, name: str) -> tuple:
     return value or (_DEFAULTS[name],) * len(levels)
 
 
-def _node_aware(group_size: int, ranks_per_replica: int, ranks_per_node: int) -> bool:
-    """Whether a level's subgroups average node-aware (as :func:`hieravg_optim.groups.node_split_ranks` splits
-    them): spanning several nodes, with at least two of their ranks on each. Pure."""
-    ranks = range(0, group_size, ranks_per_replica)  # the first subgroup; the others are shifted copies
-    nodes = {r // ranks_per_node for r in ranks}
-    return len(nodes) > 1 and len(ranks) >= 2 * len(nodes)
-
-
 def check_delay_settings(config: Any) -> None:
     """Check the four delay settings of ``config`` (an :class:`~hieravg_optim.AveragingConfig`) alone and against
     the levels and outer optimizers. Local, no collective.
@@ -92,8 +84,6 @@ def check_delay_settings(config: Any) -> None:
             fragment spacing; more fragments than the period; a level with a delay or fragments whose period does not
             divide every higher level's period (a higher level's round would start inside its window); an outer
             optimizer (or ``compress``, which keeps anchors) on a level below a level with fragments.
-        NotImplementedError: for ``compress`` and a delay or fragments at the same node-aware level
-            (``ranks_per_node``).
     """
     delays, fragments = _values(config, "delay_steps"), _values(config, "fragments")
     _values(config, "delay_mixing")
@@ -125,15 +115,6 @@ def check_delay_settings(config: Any) -> None:
     outer_periods = set(getattr(config, "outer_optimizers", {}) or {})
     codecs = getattr(config, "compress", ()) or ()
     compressed = {lv.period for lv, c in zip(levels, codecs) if c is not None}  # they keep anchors too
-    rpn, rpr = getattr(config, "ranks_per_node", None), getattr(config, "ranks_per_replica", 1)
-    for i, lv in enumerate(levels):
-        if lv.period in compressed and (delays[i] or fragments[i] > 1) and rpn and _node_aware(lv.group_size, rpr, rpn):
-            raise NotImplementedError(
-                f"compress at period {lv.period} together with delay_steps={delays[i]} / fragments={fragments[i]} on "
-                f"a node-aware level (ranks_per_node={rpn}) is not supported: its residuals are one shard of the "
-                "whole level's node sum. Drop ranks_per_node, or put compress and delay_steps / fragments on "
-                "different levels."
-            )
     outer_periods |= compressed
     for i, lv in enumerate(levels):
         if fragments[i] > 1:

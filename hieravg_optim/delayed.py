@@ -171,7 +171,10 @@ class DelayedRounds:
         at the level's first round after the anchors were taken, the average of the anchors. Then the copies, and
         the all-reduce of the copies: in the background over the level's own groups with a delay (asynchronous
         all-reduces of buffers of ``bucket_cap_mb`` at most, or a thread for node-aware levels and the checked float16
-        wire), at once otherwise (``delay_steps=0`` with fragments). The live tensors are never written here.
+        wire), at once otherwise (``delay_steps=0`` with fragments). A compressed level encodes its payload
+        instead and all-gathers the payloads in the background
+        (:func:`~hieravg_optim.compression.delayed.encode_round`; node-aware, after a synchronous reduce-scatter
+        inside the node, over the main node group). The live tensors are never written here.
 
         .. warning::
             Collective over the level's group.
@@ -189,8 +192,14 @@ class DelayedRounds:
         if outer is not None and outer.anchors is None:
             outer = None
         codec = config.level_compress(level_index) if outer is not None and lg.group is not None else None
+        segments = None  # node-aware: per fragment, its anchored elements (one residual shard each)
+        if codec is not None and error is None and lg.node is not None:
+            try:
+                segments = outers.segments(outer, tensors)
+            except ValueError as exc:  # more fragments than elements: the same on every rank of equal shapes
+                error = exc
         if codec is not None and error is None:
-            error = residual_error(outer, outers.part(tensors), lg)
+            error = residual_error(outer, outers.part(tensors), lg, segments)
         chosen = [piece_view(tensors, p) for p in pieces]
         begin = time.perf_counter()
         comm_dtype = config.comm_dtype[level_index] if config.comm_dtype else None
@@ -200,7 +209,8 @@ class DelayedRounds:
         if codec is not None and error is None:  # unsynced: this rank's anchors' delta, computed again after
             try:  # the compressed delta, read by the non-finite check and then encoded: an fp32 overflow is caught
                 params_of = outers.params_of(outer, pieces, len(tensors))
-                decay = config.level_ef_decay(level_index)
+                # node-aware, the residual belongs to the node's shard: the delta alone is checked and summed
+                decay = 0.0 if lg.node is not None else config.level_ef_decay(level_index)
                 encoded = encoded_delta([local_tensor(t) for t in chosen], params_of, outer, decay)
             except RuntimeError as exc:
                 error = exc
@@ -254,8 +264,9 @@ class DelayedRounds:
         if codec is not None:  # the payloads travel instead (hieravg_optim.compression.delayed)
             round_.wire, round_.compressed, round_.works, round_.payload = encode_round(
                 local, params_of or outers.params_of(outer, pieces, len(tensors)), outer=outer, codec=codec,
-                config=config, level_index=level_index, lg=lg, background=bg.group, pool=pool, divisor=divisor,
-                bad=bad, replaced=replaced, metrics=metrics, what=name, encoded=encoded,
+                config=config, level_index=level_index, lg=lg, background=bg, pool=pool, divisor=divisor,
+                bad=bad, replaced=replaced, metrics=metrics, what=name, encoded=encoded, segments=segments,
+                segment=fragment or 0,
             )  # fmt: skip
         elif lg.group is None:
             round_.finished = True
@@ -377,7 +388,11 @@ class DelayedRounds:
         if round_.compressed is not None:
             assert outer is not None
             result = list(result)
-            decoded = round_.compressed.result(params_of, outer, live, metrics)
+            named = f"{round_.name} (applied at step {round_.apply_at})"  # node-aware: the mean's all-gather
+            decoded = round_.compressed.result(
+                params_of, outer, live, metrics, node=lg.node, name=named, ranks=lg.ranks,
+                timeout_s=timeout_seconds(self.config, lg.group),
+            )  # fmt: skip
             for k, r in zip(round_.compressed.anchored, decoded):
                 result[k] = r
         elif outer is not None and outer.anchors is not None:

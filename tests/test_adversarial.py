@@ -101,9 +101,6 @@ def _one_rank_bad_config(rank: int, world_size: int) -> list:
         ("metrics", lambda: HierarchicalAveragingOptimizer(inner, full, log_metrics_every=0 if rank == 1 else None),
          ValueError, "log_metrics_every must be a positive integer"),
         # Any exception of the checks, not only TypeError / ValueError, reaches the agreement.
-        ("not implemented", lambda: HierarchicalAveragingOptimizer(
-            inner, full, compress={4: "int8"}, delay_steps={4: 2}, ranks_per_node=2 if rank == 1 else None),
-         NotImplementedError, "on a node-aware level (ranks_per_node=2) is not supported"),
         ("param_groups", lambda: HierarchicalAveragingOptimizer(_BrokenGroups() if rank == 1 else inner, full),
          RuntimeError, "param_groups failed on this rank"),
         ("warning as error", lambda: _averager_warning_as_error(rank == 1, world_size),
@@ -352,9 +349,8 @@ def core():
 def test_config_bad_on_one_rank_raises_on_every_rank(core):
     for rank, r in enumerate(core):
         names = [name for _, name in r["one_rank_bad_config"]]
-        expected = ["ValueError"] * 4 + ["TypeError", "ValueError", "NotImplementedError", "RuntimeError"]
-        expected.append("UserWarning")
-        assert names == (expected if rank == 1 else ["RuntimeError"] * 9)
+        expected = ["ValueError"] * 4 + ["TypeError", "ValueError", "RuntimeError", "UserWarning"]
+        assert names == (expected if rank == 1 else ["RuntimeError"] * 8)
 
 
 def test_a_level_index_that_is_no_level_is_a_value_error(core):

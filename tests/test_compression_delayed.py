@@ -8,6 +8,14 @@ checks its tensors after every step against a simulation of every rank written h
 order, their mean steps the anchors (``anchor - mean``, or ``torch.optim.SGD`` Nesterov), and the result ``R`` goes
 through the eager correction ``R + (theta - theta_t)`` (or none) and the mixing ``(1 - alpha) * A + alpha * theta``.
 The simulation does the same float32 operations in the same order, so the comparison is bitwise (``torch.equal``).
+
+Node-aware (``ranks_per_node=2``: the top group of 4 spans 2 nodes of 2 ranks, the pairs of period 2 lie inside
+one node): at ``t`` the deltas of each node's 2 ranks are summed, zero-padded to 2 equal shards, and rank ``i`` of
+the node encodes its shard ``i`` divided by the 4 replicas, plus ``ef_decay`` times its residual of that shard (one
+per fragment); at ``t + tau`` shard ``i`` is the payloads of the ranks ``i`` of both nodes decoded in node order,
+and the mean is the shards one after the other. A sum of 2 float32 values is one rounding of the exact sum,
+whichever comes first, so the node's reduce-scatter gives the simulation's ``a + b`` bit for bit: the comparison
+is bitwise there too.
 One spawn runs every scenario.
 """
 
@@ -50,15 +58,17 @@ def _flat(tensors) -> torch.Tensor:
 
 
 class _Simulation:
-    """Every rank's float32 tensors: a plain lower level (period 2, pairs) and the compressed top level."""
+    """Every rank's float32 tensors: a plain lower level (period 2, pairs) and the compressed top level (node-aware
+    with ``node``: 2 nodes of 2 ranks)."""
 
-    def __init__(self, codec, decay, tau, fragments, correction, alpha, nesterov):
-        self.codec, self.decay, self.tau, self.frags = codec, decay, tau, fragments
+    def __init__(self, codec, decay, tau, fragments, correction, alpha, nesterov, node=False):
+        self.codec, self.decay, self.tau, self.frags, self.node = codec, decay, tau, fragments, node
         self.correction, self.alpha = correction, alpha
         self.theta = [_start() for _ in range(WORLD)]
         self.anchors = [t.clone() for t in _start()]  # equal on every rank of the top group
         self.outer = torch.optim.SGD(self.anchors, lr=nesterov[0], momentum=nesterov[1], nesterov=True) if nesterov else None
         self.residuals = [[None] * N_TENSORS for _ in range(WORLD)]
+        self.shards = [[None] * fragments for _ in range(WORLD)]  # node-aware: a residual shard per fragment
         self.flight = None
 
     def top_positions(self, count):
@@ -71,6 +81,8 @@ class _Simulation:
         return list(range(j * size, (j + 1) * size))
 
     def start(self, count, positions):
+        if self.node:
+            return self.start_node(count, positions)
         payloads = []
         for r in range(WORLD):
             delta = _flat([self.anchors[p] for p in positions]) - _flat([self.theta[r][p] for p in positions])
@@ -86,15 +98,40 @@ class _Simulation:
         snap = [[self.theta[r][p].clone() for p in positions] for r in range(WORLD)]
         self.flight = {"positions": positions, "payloads": payloads, "snapshot": snap, "apply_at": count + self.tau}
 
-    def apply(self):
-        entry, self.flight = self.flight, None
-        positions = entry["positions"]
+    def start_node(self, count, positions):
+        """Node-aware: per node, the sum of its 2 ranks' deltas; rank ``i`` of the node encodes shard ``i`` / 4."""
+        j = 0 if self.frags == 1 else positions[0] * self.frags // N_TENSORS  # the fragment
         n = len(positions) * SHAPE[0]
-        total = torch.zeros(self.codec.padded_numel(n))
-        for payload in entry["payloads"]:
-            self.codec.decode_add_(payload, total)
-        mean = total[:n] / WORLD
-        pieces = [mean[k * SHAPE[0] : (k + 1) * SHAPE[0]] for k in range(len(positions))]
+        half = -(-n // 2)
+        deltas = [_flat([self.anchors[p] for p in positions]) - _flat([self.theta[r][p] for p in positions])
+                  for r in range(WORLD)]  # fmt: skip
+        payloads = [None] * WORLD
+        for node in range(2):
+            total = torch.zeros(2 * half)
+            total[:n] = deltas[2 * node] + deltas[2 * node + 1]  # one rounding, in either order
+            for i in range(2):
+                r = 2 * node + i
+                shard = total[i * half : (i + 1) * half] / WORLD
+                own = self.shards[r][j]
+                v = shard if own is None or self.decay == 0 else shard.add(own, alpha=self.decay)
+                payloads[r] = self.codec.encode(v)
+                self.shards[r][j] = v - _decoded(self.codec, payloads[r], v.numel())
+        snap = [[self.theta[r][p].clone() for p in positions] for r in range(WORLD)]
+        apply_at = None if count is None else count + self.tau
+        self.flight = {"positions": positions, "payloads": payloads, "snapshot": snap, "apply_at": apply_at}
+
+    def node_mean(self, payloads, n):
+        """Shard ``i``: the payloads of the ranks ``i`` of nodes 0 and 1 decoded in that order (divided already)."""
+        half = -(-n // 2)
+        shards = []
+        for i in range(2):
+            total = torch.zeros(self.codec.padded_numel(half))
+            for node in range(2):
+                self.codec.decode_add_(payloads[2 * node + i], total)
+            shards.append(total[:half])
+        return torch.cat(shards)[:n]
+
+    def outer_step(self, positions, pieces):
         if self.outer is None:
             for p, g in zip(positions, pieces):
                 self.anchors[p] = self.anchors[p] - g
@@ -104,6 +141,33 @@ class _Simulation:
             self.outer.step()
             for a in self.anchors:
                 a.grad = None
+
+    def sync_round(self):
+        """``average(1)`` at the node-aware level with fragments: each fragment's node-aware exchange (its own
+        residual shards), then one outer step, and every rank takes the anchors (no correction, no mixing)."""
+        size = N_TENSORS // self.frags
+        for j in range(self.frags):
+            positions = list(range(j * size, (j + 1) * size))
+            self.start_node(None, positions)
+            entry, self.flight = self.flight, None
+            mean = self.node_mean(entry["payloads"], size * SHAPE[0])
+            self.outer_step(positions, [mean[k * SHAPE[0] : (k + 1) * SHAPE[0]] for k in range(size)])
+        for r in range(WORLD):
+            self.theta[r] = [a.clone() for a in self.anchors]
+
+    def apply(self):
+        entry, self.flight = self.flight, None
+        positions = entry["positions"]
+        n = len(positions) * SHAPE[0]
+        if self.node:
+            mean = self.node_mean(entry["payloads"], n)
+        else:
+            total = torch.zeros(self.codec.padded_numel(n))
+            for payload in entry["payloads"]:
+                self.codec.decode_add_(payload, total)
+            mean = total[:n] / WORLD
+        pieces = [mean[k * SHAPE[0] : (k + 1) * SHAPE[0]] for k in range(len(positions))]
+        self.outer_step(positions, pieces)
         for r in range(WORLD):
             for k, p in enumerate(positions):
                 live, R = self.theta[r][p], self.anchors[p].clone()
@@ -129,15 +193,18 @@ class _Simulation:
                 self.apply()
 
 
-def _averager(codec, decay, tau, fragments, correction, alpha, nesterov, **extra):
+def _averager(codec, decay, tau, fragments, correction, alpha, nesterov, node=False, **extra):
     from hieravg_optim import AveragingConfig, HierarchicalAverager, nesterov_outer
 
     config = AveragingConfig.create(
         LEVELS, compress={4: codec}, ef_decay={4: decay}, delay_steps={4: tau}, fragments={4: fragments},
         delay_correction=correction, delay_mixing={4: alpha},
-        outer_optimizers={4: nesterov_outer(*nesterov)} if nesterov else None, **extra,
+        outer_optimizers={4: nesterov_outer(*nesterov)} if nesterov else None,
+        ranks_per_node=2 if node else None, **extra,
     )  # fmt: skip
-    return HierarchicalAverager(config)
+    averager = HierarchicalAverager(config)
+    assert (averager.level_groups[1].node is not None) == node and averager.level_groups[0].node is None
+    return averager
 
 
 def _step(averager, tensors, rank, count):
@@ -148,10 +215,12 @@ def _step(averager, tensors, rank, count):
     averager.step_and_average(lambda: tensors)
 
 
-def _run(rank, codec, decay=1.0, tau=1, fragments=1, correction="eager", alpha=0.0, nesterov=None, steps=13):
+def _run(
+    rank, codec, decay=1.0, tau=1, fragments=1, correction="eager", alpha=0.0, nesterov=None, node=False, steps=13
+):
     """The averager against the simulation after every step, bitwise; with ``"none"`` and no mixing the top
     group's replicas are bitwise equal right after each apply."""
-    settings = (codec, decay, tau, fragments, correction, alpha, nesterov)
+    settings = (codec, decay, tau, fragments, correction, alpha, nesterov, node)
     averager = _averager(*settings)
     sim = _Simulation(*settings)
     tensors = _start()
@@ -173,17 +242,39 @@ def _run(rank, codec, decay=1.0, tau=1, fragments=1, correction="eager", alpha=0
             equal_after_apply.append(all(torch.equal(x, mine) for x in everyone))
     residuals = averager.state_dict()["outer"][4].get("residuals")
     if decay:
-        assert all(torch.equal(a, b) for a, b in zip(residuals, sim.residuals[rank])), "residuals differ"
+        expected = sim.shards[rank] if node else sim.residuals[rank]
+        assert len(residuals) == len(expected), [tuple(r.shape) for r in residuals]
+        assert all(torch.equal(a, b) for a, b in zip(residuals, expected)), "residuals differ"
     m = averager.metrics()[4]
     assert m["rounds_started"] == m["rounds_applied"] + (1 if averager._delayed.in_flight else 0) > 0
     assert 0 < m["compressed_bytes"] and m["compression_ratio"] < 1.0, m
+    if node:  # per applied round: one payload of this rank's shard to the other node, fp32 inside the node
+        n = N_TENSORS * SHAPE[0] // fragments
+        applied = m["rounds_applied"]
+        assert m["compressed_bytes"] == applied * codec.payload_nbytes(-(-n // 2)), m
+        assert m["uncompressed_bytes"] == m["rounds_started"] * (2 * 4 * n // 4), m  # 2 (q - 1) 4 n / (q m)
+        assert m["bytes_sent"] == applied * (codec.payload_nbytes(-(-n // 2)) + 4 * n), m  # + 2 (m - 1) 4 n / m
+    if node and fragments > 1:
+        # The round in flight applied now, then a synchronous round of the level (average_now's): one exchange per
+        # fragment, each with its own residual shard, as the fragments' own rounds keep them.
+        if sim.flight is not None:
+            sim.apply()
+        averager.apply_rounds_in_flight(tensors)
+        averager.average(1, tensors)
+        sim.sync_round()
+        assert all(torch.equal(t, e) for t, e in zip(tensors, sim.theta[rank])), "average_now differs"
+        residuals = averager.state_dict()["outer"][4].get("residuals")
+        assert [tuple(r.shape) for r in residuals] == [(N_TENSORS * SHAPE[0] // fragments // 2,)] * fragments
+        if decay:
+            assert all(torch.equal(a, b) for a, b in zip(residuals, sim.shards[rank])), "residuals differ"
     return {"equal_after_apply": equal_after_apply, "ratio": m["compression_ratio"]}
 
 
-def _resume(rank, codec):
+def _resume(rank, codec, node=False):
     """A checkpoint with the compressed round in flight (started at 4, applied at 6, saved after count 5)
-    resumes bitwise equal to the uninterrupted run, through torch.save / torch.load(weights_only=True)."""
-    settings = (codec, 0.9, 2, 1, "eager", 0.25, (0.7, 0.9))
+    resumes bitwise equal to the uninterrupted run, through torch.save / torch.load(weights_only=True). Node-aware,
+    the saved payloads are those of this rank's shard, one per node, and a run that is not node-aware refuses them."""
+    settings = (codec, 0.9, 2, 1, "eager", 0.25, (0.7, 0.9), node)
     averager = _averager(*settings)
     tensors = _start()
     averager.take_anchors(tensors)
@@ -191,7 +282,9 @@ def _resume(rank, codec):
         _step(averager, tensors, rank, count)
     state = averager.state_dict()
     entry = state["in_flight"][4]
-    assert entry["started"] == 4 and entry["apply_at"] == 6 and entry["compressed"]["gathered"].shape[0] == WORLD
+    assert entry["started"] == 4 and entry["apply_at"] == 6
+    assert entry["compressed"]["gathered"].shape[0] == (2 if node else WORLD)
+    assert entry["compressed"].get("shard") == (N_TENSORS * SHAPE[0] // 2 if node else None), entry["compressed"]
     buffer = io.BytesIO()
     torch.save({"averaging": state, "tensors": tensors}, buffer)
     for count in range(6, 11):
@@ -206,6 +299,11 @@ def _resume(rank, codec):
         _step(resumed, again, rank, count)
     worst = max(float((a - b).abs().max()) for a, b in zip(tensors, again))
     assert all(torch.equal(a, b) for a, b in zip(tensors, again)), worst  # the same payloads, decoded in order
+    if node:  # the shard payloads of a node-aware round mean nothing to a flat level (load is local)
+        refused = r"saved by a node-aware level .* but this level is not node-aware .*the saved run's ranks_per_node"
+        with pytest.raises(ValueError, match=refused):
+            _averager(*settings[:-1], False).load_state_dict(saved["averaging"], [t.clone() for t in saved["tensors"]])
+        return worst
     # An uncompressed run refuses the compressed round in flight instead of misreading it.
     from hieravg_optim import AveragingConfig, HierarchicalAverager
 
@@ -223,7 +321,7 @@ def _resume(rank, codec):
         ((other_values, *settings[1:]), "compress={'type': 'topk'.*'values': 'int8'}.*'values': 'bfloat16'}"),
         ((codec, 0.5, *settings[2:]), "ef_decay=0.9.*ef_decay=0.5"),
         ((*settings[:4], "none", *settings[5:]), "delay_correction='eager'.*delay_correction='none'"),
-        ((*settings[:5], 0.5, settings[6]), "delay_mixing=0.25.*delay_mixing=0.5"),
+        ((*settings[:5], 0.5, *settings[6:]), "delay_mixing=0.25.*delay_mixing=0.5"),
     ]:
         with pytest.raises(ValueError, match=named + ": resume with the saved run's .*, or save at a count with no"):
             _averager(*changed).load_state_dict(saved["averaging"], [t.clone() for t in saved["tensors"]])
@@ -235,10 +333,11 @@ def _resume(rank, codec):
     return worst
 
 
-def _nonfinite(rank, codec):
+def _nonfinite(rank, codec, node=False):
     """A NaN on rank 1 at the start of a compressed delayed round: a RuntimeError on every rank, before anything is
-    compressed (no residual, no round in flight); ``skip_replica`` leaves its payload out and gives it ``R``."""
-    averager = _averager(codec, 1.0, 1, 1, "none", 0.0, None)
+    compressed (no residual, no round in flight); ``skip_replica`` leaves its payload out (node-aware: adds zeros
+    to its node's sum) and gives it ``R``."""
+    averager = _averager(codec, 1.0, 1, 1, "none", 0.0, None, node)
     tensors = _start()
     averager.take_anchors(tensors)
     for count in range(4):
@@ -251,7 +350,7 @@ def _nonfinite(rank, codec):
         averager.step_and_average(lambda: tensors)
     after = averager._outers.by_level[1].residuals
     assert not averager._delayed.in_flight and all(torch.equal(a, b) for a, b in zip(before, after))
-    skipping = _averager(codec, 1.0, 1, 1, "none", 0.0, None, nonfinite="skip_replica")
+    skipping = _averager(codec, 1.0, 1, 1, "none", 0.0, None, node, nonfinite="skip_replica")
     tensors = _start()
     skipping.take_anchors(tensors)
     for count in range(6):  # the round of count 4 skips rank 1, applied at 5
@@ -266,7 +365,7 @@ def _nonfinite(rank, codec):
     # the same, delayed or not.
     for tau in (1, 0):
         for policy in ("raise", "skip_replica"):
-            averager = _averager(codec, 1.0, tau, 1, "none", 0.0, None, nonfinite=policy)
+            averager = _averager(codec, 1.0, tau, 1, "none", 0.0, None, node, nonfinite=policy)
             tensors = [torch.full(SHAPE, 2.0**126) for _ in range(N_TENSORS)]
             averager.take_anchors(tensors)
             if rank == 1:
@@ -297,14 +396,26 @@ def _scenarios(rank, world):
             "fragments_sync": lambda r: _run(r, int8, tau=0, fragments=2, correction="none"),
             "resume": lambda r: _resume(r, topk),
             "nonfinite": lambda r: _nonfinite(r, int8),
+            # Node-aware (ranks_per_node=2): the same formulas with the node's full-precision sum
+            "node_delay_eager": lambda r: _run(r, int8, tau=2, node=True),
+            "node_delay_none": lambda r: _run(r, topk, decay=0.5, tau=3, correction="none", node=True),
+            "node_fragments_delayed_nesterov": lambda r: _run(
+                r, topk, decay=0.9, tau=1, fragments=2, alpha=0.25, nesterov=(0.7, 0.9), node=True
+            ),
+            "node_fragments_sync": lambda r: _run(r, int8, tau=0, fragments=2, correction="none", node=True),
+            "node_resume": lambda r: _resume(r, topk, node=True),
+            "node_nonfinite": lambda r: _nonfinite(r, int8, node=True),
         },
         rank,
     )
 
 
 def test_compressed_delayed_and_fragment_rounds_follow_the_formula():
-    out = run_distributed(_scenarios, WORLD, timeout=240)
+    out = run_distributed(_scenarios, WORLD, timeout=300)
     for rank, r in enumerate(out):
-        assert r["delay_none"]["equal_after_apply"] == [True] * 3, (rank, r["delay_none"])
-        assert r["fragments_sync"]["equal_after_apply"] == [True] * 7, (rank, r["fragments_sync"])
-        assert r["resume"] == 0.0 and r["nonfinite"]
+        for prefix in ("", "node_"):
+            if prefix + "resume" not in r:  # left out by HIERAVG_CORE_SCENARIOS
+                continue
+            assert r[prefix + "delay_none"]["equal_after_apply"] == [True] * 3, (rank, prefix, r[prefix + "delay_none"])
+            assert r[prefix + "fragments_sync"]["equal_after_apply"] == [True] * 7, (rank, prefix)
+            assert r[prefix + "resume"] == 0.0 and r[prefix + "nonfinite"]

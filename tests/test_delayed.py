@@ -150,9 +150,11 @@ class _Simulation:
 
 
 def _run(rank, world, levels, *, delay=None, fragments=None, correction=None, alpha=None, outer=None, steps=24,
-         outer_state_device=None, shapes=None, resume_at=None):
+         outer_state_device=None, shapes=None, resume_at=None, average_now=False):
     """``resume_at``: after that count, continue on a new averager loaded from ``state_dict()`` (a round in flight
-    included), after checking that one with other fragments refuses it, naming both splits."""
+    included), after checking that one with other fragments refuses it, naming both splits. ``average_now``: at the
+    end, the rounds in flight applied and a synchronous round of the top level (every fragment's pieces stepped
+    once): the replicas bitwise equal, and equal to the anchors."""
     import copy
 
     from hieravg_optim import AveragingConfig, HierarchicalAverager
@@ -199,6 +201,16 @@ def _run(rank, world, levels, *, delay=None, fragments=None, correction=None, al
                 other.load_state_dict(state, tensors)
             averager = HierarchicalAverager(config)
             averager.load_state_dict(state, tensors)
+    if average_now:
+        import torch.distributed as dist
+
+        averager.apply_rounds_in_flight(tensors)
+        averager.average(-1, tensors)
+        mine = torch.cat([t.reshape(-1) for t in tensors])
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        anchors = torch.cat([a.reshape(-1) for a in averager.state_dict()["outer"][8]["anchors"]])
+        assert all(torch.equal(x, mine) for x in everyone) and torch.equal(anchors, mine), "average_now"
     if resume_at is not None:
         return {"resumed": True}
     metrics = averager.metrics()
@@ -220,12 +232,14 @@ def _scenarios(rank, world):
             "fragments_sync": lambda r: _run(r, world, levels, fragments={8: 2}),
             "outer_eager": lambda r: _run(r, world, levels, delay={8: 3}, outer={8: (0.5, 0.5)}),
             "outer_fragments": lambda r: _run(
-                r, world, levels, delay={8: 1}, fragments={8: 2}, correction={8: "none"}, outer={8: (0.5, 0.5)}
+                r, world, levels, delay={8: 1}, fragments={8: 2}, correction={8: "none"}, outer={8: (0.5, 0.5)},
+                average_now=True,
             ),
             # Element ranges: 4 fragments of 2 unequal matrices, boundaries inside the first (5, 11, 16 of 21).
             "unequal_fragments": lambda r: _run(r, world, levels, delay={2: 1, 8: 1}, fragments={8: 4}, shapes=UNEQUAL),
             "unequal_outer_nesterov": lambda r: _run(
-                r, world, levels, delay={8: 1}, fragments={8: 4}, outer={8: (0.7, 0.9)}, shapes=UNEQUAL, resume_at=12
+                r, world, levels, delay={8: 1}, fragments={8: 4}, outer={8: (0.7, 0.9)}, shapes=UNEQUAL, resume_at=12,
+                average_now=True,
             ),
         },
         rank,

@@ -112,12 +112,13 @@ def test_fragment_offsets_and_spacing():
 
 
 def test_compress_with_a_delay_or_fragments_at_one_level():
-    """They compose at one level, except node-aware (a clear error at construction, on every rank: local check)."""
+    """They compose at one level, node-aware levels included."""
     config = AveragingConfig.create({4: 2, 32: 4}, compress={32: "int8"}, delay_steps={32: 4}, fragments={32: 2})
     assert config.level_compress(1) is not None and config.delay_steps == (0, 4) and config.fragments == (1, 2)
-    node_aware = r"compress at period 32 together with delay_steps=4 / fragments=1 on a node-aware"
-    with pytest.raises(NotImplementedError, match=node_aware):
-        AveragingConfig.create({4: 2, 32: 8}, compress={32: "int8"}, delay_steps={32: 4}, ranks_per_node=4)
+    # Node-aware (ranks_per_node=4: the groups of 8 span 2 nodes of 4), delayed and fragmented alike.
+    for extra in ({"delay_steps": {32: 4}}, {"delay_steps": {32: 3}, "fragments": {32: 4}}, {"fragments": {32: 2}}):
+        config = AveragingConfig.create({4: 2, 32: 8}, compress={32: "int8"}, ranks_per_node=4, **extra)
+        assert config.level_compress(1) is not None and config.ranks_per_node == 4, extra
     # comm_dtype keeps its meaning there: the dtype of top-k's kept values (and of the buffers' average); int8 is
     # its own wire.
     topk = {"type": "topk", "density": 0.1}

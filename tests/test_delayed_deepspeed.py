@@ -7,7 +7,8 @@ the round starts (``theta_4`` per replica) and right before it is applied (``the
 its replica, computed in float32 in that order, and the module holds them rounded to its dtype. The round of
 count 8, landed at count 9 by ``get_averaging(engine).apply_rounds_in_flight()``, follows the same formula and
 reaches the module. A checkpoint saved with the round in flight (after count 5) resumes to the uninterrupted run, bitwise; one with a compressed
-round in flight (``compress`` int8 with error feedback under Nesterov at the same level, ZeRO-1), bitwise too.
+round in flight (``compress`` int8 with error feedback under Nesterov at the same level, ZeRO-1; and node-aware,
+ZeRO-2 with 4 replicas of one rank on 2 nodes of 2), bitwise too.
 ZeRO-2 with ``fragments`` 4: the fragments are element ranges of the one flat fp32 partition each rank holds.
 """
 
@@ -32,6 +33,8 @@ SECTION = {"period_group_size": {"4": WORLD}, "warmup_steps": 1, "ranks_per_repl
 
 COMPRESSED_SECTION = {**SECTION, "compress": {"4": {"type": "int8", "block": 16}}, "ef_decay": 0.9,
                       "outer_optimizer": {"4": NESTEROV}}  # fmt: skip
+NODE_AWARE_SECTION = {**COMPRESSED_SECTION, "ranks_per_replica": 1, "ranks_per_node": 2}
+"""The compressed level node-aware: 4 replicas of one rank (ZeRO over one rank each) on 2 nodes of 2."""
 
 
 def _applied_case(rank, name, stage, prec):
@@ -95,8 +98,10 @@ def _resume_case(rank, name, stage, prec, folder, section=SECTION):
         _micro_step(engine, rank, step)
     assert hds.get_averaging(engine).averager._delayed.in_flight  # the round of count 4, applied at 6
     engine.save_checkpoint(folder, tag="t5")
-    own = torch.load(outer_state_file(replica_checkpoint_dir(folder, rank // S, "t5"), rank % S), weights_only=True)
+    s = section["ranks_per_replica"]
+    own = torch.load(outer_state_file(replica_checkpoint_dir(folder, rank // s, "t5"), rank % s), weights_only=True)
     in_file = [sorted(entry) for entry in own["in_flight"].values()]
+    shards = [entry.get("compressed", {}).get("shard") for entry in own["in_flight"].values()]
     for step in range(5, 8):
         _micro_step(engine, rank, step)
     uninterrupted = _full_module(engine)
@@ -104,7 +109,7 @@ def _resume_case(rank, name, stage, prec, folder, section=SECTION):
     resumed.load_checkpoint(folder)
     in_flight = hds.get_averaging(resumed).averager._delayed.in_flight
     loaded = {"in_flight_loaded": list(in_flight), "compressed": [r.compressed is not None for r in in_flight.values()],
-              "saved_keys": in_file}  # fmt: skip
+              "saved_keys": in_file, "shards": shards}  # fmt: skip
     for step in range(5, 8):
         _micro_step(resumed, rank, step)
     after = _full_module(resumed)
@@ -157,6 +162,10 @@ def _all(rank, world, folder):
     out["resume_compressed_zero1_fp32"] = _resume_case(
         rank, "compressed", 1, "fp32", os.path.join(folder, "compressed"), COMPRESSED_SECTION
     )
+    # The same, node-aware (ZeRO-2, 2 nodes of 2 ranks): each rank's file holds its shard's payloads.
+    out["resume_node_aware_zero2_fp32"] = _resume_case(
+        rank, "node_aware", 2, "fp32", os.path.join(folder, "node_aware"), NODE_AWARE_SECTION
+    )
     return out
 
 
@@ -191,12 +200,15 @@ def test_deepspeed_resume_with_a_round_in_flight(results, case):
         assert len(got["saved_keys"]) == 1 and "compressed" not in got["saved_keys"][0], got
 
 
-def test_deepspeed_resume_with_a_compressed_round_in_flight(results):
+@pytest.mark.parametrize("case", ["resume_compressed_zero1_fp32", "resume_node_aware_zero2_fp32"])
+def test_deepspeed_resume_with_a_compressed_round_in_flight(results, case):
     """The compressed round of count 4 saved after count 5 (its payloads gathered, in each rank's own outer state
-    file) resumes to the uninterrupted run, bitwise."""
+    file) resumes to the uninterrupted run, bitwise; node-aware, the payloads are this rank's shard's, one per
+    node."""
     for r in results:
-        got = r["resume_compressed_zero1_fp32"]
+        got = r[case]
         assert got["in_flight_loaded"] == [0] and got["compressed"] == [True], got
         assert len(got["saved_keys"]) == 1 and "compressed" in got["saved_keys"][0], got  # in this rank's own file
         assert "meaning" in got["saved_keys"][0], got  # checked at the load as the core state dict's
+        assert (got["shards"][0] is not None) == (case == "resume_node_aware_zero2_fp32"), got
         assert got["equal"] and got["diff"] == 0.0, got  # the payloads decoded in rank order: bitwise

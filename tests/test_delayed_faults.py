@@ -31,7 +31,15 @@ def _until_fault(rank, world_size, victim, fault, timeout_s, out):
     from hieravg_optim.compression import delayed as compressed_module
 
     fault, _, where = fault.partition("-")
-    if where == "compressed_buffers":  # int8 and a buffer, averaged synchronously (uncompressed) at the start
+    at = 4
+    if where == "node_aware":  # int8, 2 nodes of 2: the victim dies in the apply's all-gather inside its node (count 6)
+        averager = HierarchicalAverager(AveragingConfig.create(
+            {4: WORLD}, delay_steps=2, compress="int8", ranks_per_node=2, collective_timeout_s=timeout_s))  # fmt: skip
+        tensors = [torch.full((1000,), float(rank))]
+        averager.take_anchors(tensors)
+        step = lambda: averager.step_and_average(lambda: tensors)  # noqa: E731
+        module, name, at = compressed_module, "node_mean", 6
+    elif where == "compressed_buffers":  # int8 and a buffer, averaged synchronously (uncompressed) at the start
         p = torch.nn.Parameter(torch.full((1000,), float(rank)))
         opt = HierarchicalAveragingOptimizer(torch.optim.SGD([p], lr=0.0), {4: WORLD}, delay_steps=2, compress="int8",
                                              buffers=[torch.full((5,), float(rank))], collective_timeout_s=timeout_s)  # fmt: skip
@@ -48,7 +56,7 @@ def _until_fault(rank, world_size, victim, fault, timeout_s, out):
         original = getattr(module, name)
 
         def faulty(*args, **kwargs):
-            if averager.step == 4:  # the round of count 4 has agreed: its peers issue their async all-reduces
+            if averager.step == at:  # the round of count 4 has agreed: its peers issue their async all-reduces
                 with open(os.path.join(out, "fault.json"), "w") as f:
                     json.dump({"t": time.monotonic()}, f)
                 os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
@@ -92,12 +100,26 @@ def _run_fault(fault, victim, timeout_s):
         return seen
 
 
-@pytest.mark.parametrize("fault, timeout_s", [("kill", 5.0), ("stop", 4.0), ("kill-compressed_buffers", 5.0)])
+@pytest.mark.parametrize(
+    "fault, timeout_s", [("kill", 5.0), ("stop", 4.0), ("kill-compressed_buffers", 5.0), ("kill-node_aware", 5.0)]
+)
 def test_a_peer_lost_during_a_round_in_flight_is_named_where_it_is_waited_for(fault, timeout_s):
     """``kill-compressed_buffers``: the victim dies in the buffers' synchronous average at the start of a compressed
-    delayed round (count 4), where the survivors raise, naming the round too."""
+    delayed round (count 4), where the survivors raise, naming the round too. ``kill-node_aware``: a node-aware
+    compressed round (2 nodes of 2), the victim (rank 2) dies in the all-gather inside its node that assembles the
+    mean at count 6: its node's peer raises there, naming the round; the other node, whose apply needs no rank of
+    the victim's node, at the next round's start (count 8)."""
     seen = _run_fault(fault, victim=2, timeout_s=timeout_s)
     print("delays after the fault, s:", {r: round(s["delay"], 2) for r, s in seen.items()})
+    if fault.endswith("node_aware"):
+        for r, s in seen.items():
+            assert s["exitcode"] == 1 and s["type"] == "CollectiveError", (r, s)
+            named = "the averaging round at step 4 (period 4, group size 4, delayed 2 steps) (applied at step 6)"
+            if r != 3:
+                named = "the averaging round at step 8 (period 4, group size 4, delayed 2 steps)"
+            assert named in s["message"] and "dead or hung peer" in s["message"], (r, s["message"])
+            assert s["step"] == (6 if r == 3 else 8) and s["delay"] <= timeout_s + BOUND_S, (r, s)
+        return
     at_start = fault.endswith("compressed_buffers")
     where = "" if at_start else " (waited for at step 6)"
     for r, s in seen.items():

@@ -15,9 +15,11 @@ own, outer SGD with lr 1, :data:`~hieravg_optim.outer.PLAIN_OUTER`). Its round, 
    payloads decoded in the same order: the replicas are bitwise equal after the round.
 
 Node-aware (``ranks_per_node``): the node first sums its ranks' deltas at full precision (reduce-scatter inside
-the node); each rank compresses its shard of that sum (divided by the number of replicas), the payloads cross
-nodes by an all-gather among the ranks of the same index, and an all-gather inside the node assembles the
-mean. One payload per node crosses the slow link; the residual is that of the node's shard on each rank.
+the node, :func:`node_shard`); each rank compresses its shard of that sum (divided by the number of replicas), the
+payloads cross nodes by an all-gather among the ranks of the same index, and an all-gather inside the node
+(:func:`node_mean`) assembles the mean. One payload per node crosses the slow link; the residual is that of the
+node's shard on each rank. At a level with ``fragments`` ``F > 1`` each fragment is such a round of its own, with
+its own shard and residual (:func:`residual_shapes`): the synchronous round runs them one after the other.
 
 These three steps are separate functions so that rounds of other shapes (delayed or fragmented rounds)
 reuse them. See ``docs/compression.md``.
@@ -46,7 +48,10 @@ from ..round_start import agree_round, sync_anchors
 from ..tensors import local_tensor
 from .codecs import Codec
 
-__all__ = ["apply_mean", "compressed_round", "compute_payload", "decode_mean", "exchange", "residual_error"]
+__all__ = [
+    "apply_mean", "compressed_round", "compute_payload", "decode_mean", "exchange", "new_residuals", "node_inner_bytes",
+    "node_mean", "node_shard", "residual_error", "residual_shapes",
+]
 
 
 def _flat(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -126,32 +131,55 @@ def decode_mean(
 
 
 def apply_mean(outer: OuterLevel, mean: torch.Tensor, local: Sequence[torch.Tensor]) -> None:
-    """One outer step of ``outer`` with the flat mean pseudo-gradient ``mean``; the anchors' new value goes into
-    ``local`` (this rank's local tensors). Local, no collective."""
-    assert outer.anchors is not None
-    outer.step_with(_pieces(mean, outer.anchors), local)
+    """One outer step of ``outer`` with the flat mean pseudo-gradient ``mean`` (over every anchored element, in
+    order); the anchors' new value goes into ``local`` (this rank's local tensors). At a level with fragments the
+    outer optimizer steps the anchors' pieces (:attr:`OuterLevel.params`, which cover the anchors in order), all of
+    them here. Local, no collective."""
+    assert outer.anchors is not None and outer.params is not None
+    if outer.pieces is None:
+        outer.step_with(_pieces(mean, outer.anchors), local)
+        return
+    outer.step_with(_pieces(mean, outer.params), [torch.empty_like(p) for p in outer.params])
+    for a, t in zip(outer.anchors, local):
+        t.copy_(a)
 
 
-def _residual_shapes(local: Sequence[torch.Tensor], node: NodeGroups | None) -> list[tuple[int, ...]]:
-    """The shapes of a level's residuals: those of the local tensors, or one node shard (node-aware)."""
+def residual_shapes(
+    local: Sequence[torch.Tensor], node: NodeGroups | None, segments: Sequence[int] | None = None
+) -> list[tuple[int, ...]]:
+    """The shapes of a compressed level's residuals: those of the local tensors (flat), or, node-aware, one node
+    shard per segment: ``(ceil(n / ranks on the node),)`` for each ``n`` of ``segments`` (the anchored elements of
+    each fragment, :meth:`~hieravg_optim.anchors.OuterLevels.segments`; ``None``: one segment of all of ``local``).
+    Pure."""
     if node is None:
         return [tuple(t.shape) for t in local]
-    numel = sum(t.numel() for t in local)
-    return [(-(-numel // node.local_size),)]
+    if segments is None:
+        segments = [sum(t.numel() for t in local)]
+    return [(-(-n // node.local_size),) for n in segments]
 
 
-def residual_error(outer: OuterLevel, local: Sequence[torch.Tensor], lg: LevelGroup) -> BaseException | None:
-    """The error of residuals (loaded from a checkpoint) whose shapes do not fit the round's, or ``None``. Local."""
+def new_residuals(outer: OuterLevel, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Zero fp32 residuals of ``shapes``, with the anchors (their device). Local."""
+    assert outer.anchors is not None
+    device = outer.anchors[0].device if outer.anchors else None
+    return [torch.zeros(shape, dtype=torch.float32, device=device) for shape in shapes]
+
+
+def residual_error(
+    outer: OuterLevel, local: Sequence[torch.Tensor], lg: LevelGroup, segments: Sequence[int] | None = None
+) -> BaseException | None:
+    """The error of residuals (loaded from a checkpoint) whose shapes do not fit the round's
+    (:func:`residual_shapes` of ``local``, ``lg.node`` and ``segments``), or ``None``. Local."""
     if outer.residuals is None:
         return None
     have = [tuple(r.shape) for r in outer.residuals]
-    want = _residual_shapes(local, lg.node)
+    want = residual_shapes(local, lg.node, segments)
     if have == want:
         return None
     return RuntimeError(
         f"The error-feedback residuals of the compressed level of period {lg.level.period} have shapes {have}, "
-        f"but its round needs {want}: the checkpoint was saved with another ranks_per_node or sharding. Resume "
-        "with the settings that saved it."
+        f"but its round needs {want}: the checkpoint was saved with another ranks_per_node, fragments or sharding. "
+        "Resume with the settings that saved it."
     )
 
 
@@ -183,7 +211,9 @@ def compressed_round(
     travel compressed as the pseudo-gradient ``anchor - theta`` plus the residual; the others are averaged
     uncompressed in the same round. The level's first round after its anchors were taken averages them first
     (full precision, once), as an uncompressed outer level does. A subgroup of one rank communicates nothing: a plain compressed level keeps its tensors,
-    one with an outer optimizer steps it with its own pseudo-gradient, uncompressed.
+    one with an outer optimizer steps it with its own pseudo-gradient, uncompressed. Node-aware at a level with
+    ``fragments`` ``F > 1``, the node-aware exchange runs once per fragment (its anchored elements, with its own
+    residual shard, as the fragments' own rounds keep them), then one outer step with the whole mean.
 
     .. warning::
         Collective over this rank's subgroup at the level (and its replica, for the non-finite vote).
@@ -216,8 +246,14 @@ def compressed_round(
         return False
     with torch.no_grad(), named_collective(name, lg.ranks, timeout_s=timeout_seconds(config, lg.group)):
         unsynced = not outer.synced
+        segments = None
+        if error is None and lg.node is not None:
+            try:
+                segments = outers.segments(outer, tensors)
+            except ValueError as exc:  # more fragments than elements: the same on every rank of equal shapes
+                error = exc
         if error is None:
-            error = residual_error(outer, local, lg)
+            error = residual_error(outer, local, lg, segments)
         device = local[0].device if local else torch.device("cpu")
         residual = None if outer.residuals is None or decay == 0 or error else _flat(outer.residuals, device)
         # What is encoded, read by the non-finite check (an fp32 overflow of finite tensors is caught): flat, the
@@ -266,8 +302,9 @@ def compressed_round(
             payload, sent = payload + mine.numel(), sent + compressed
             uncompressed = bytes_sent(4 * numel, lg)
         else:
+            assert segments is not None
             mean, new_residual, mine_bytes, compressed, inner = _node_aware(
-                codec, delta, residual, decay, lg.node, replicas
+                codec, delta, residual, decay, lg.node, replicas, segments
             )
             payload, sent = payload + mine_bytes, sent + compressed + inner
             m, q = lg.node.local_size, lg.node.cross_size
@@ -275,10 +312,7 @@ def compressed_round(
         # Flat, a skipped rank's payload was left out: its residual stays. Node-aware, the residual is the node's.
         if new_residual is not None and (lg.node is not None or not replaced):
             if outer.residuals is None:
-                outer.residuals = [
-                    torch.zeros(shape, dtype=torch.float32, device=a.device)
-                    for shape, a in zip(_residual_shapes(local, lg.node), outer.anchors)
-                ]
+                outer.residuals = new_residuals(outer, residual_shapes(local, lg.node, segments))
             _split_into(new_residual, outer.residuals)
         elif decay == 0:
             outer.residuals = None
@@ -295,19 +329,13 @@ def compressed_round(
     return replaced
 
 
-def _node_aware(
-    codec: Codec,
-    delta: torch.Tensor,
-    residual: torch.Tensor | None,
-    decay: float,
-    node: NodeGroups,
-    replicas: float,
-) -> tuple[torch.Tensor, torch.Tensor | None, int, int, int]:
-    """The node-aware exchange: full-precision sum inside the node, compressed shards across nodes.
+def node_shard(delta: torch.Tensor, node: NodeGroups, replicas: float) -> torch.Tensor:
+    """This rank's shard of the node's sum of ``delta`` (fp32, 1-D, ``n`` elements on every rank of the node),
+    divided by ``replicas``: ``ceil(n / m)`` elements (``m`` ranks on the node; the sum zero-padded to ``m`` equal
+    shards). The sum over the nodes of the same-index shards is then the mean's shard.
 
-    Returns:
-        ``(mean, new residual of this rank's shard, payload bytes, compressed bytes sent across nodes, bytes
-        sent inside the node)``.
+    .. warning::
+        Collective over ``node.local`` (a reduce-scatter): every rank of it must call this with ``n`` elements.
     """
     m = node.local_size
     numel = delta.numel()
@@ -317,17 +345,66 @@ def _node_aware(
     shard = torch.empty(padded // m, dtype=torch.float32, device=delta.device)
     hand_over(full, shard)
     reduce_scatter_single(shard, full, node.local)
-    shard.div_(replicas)  # this node's share of the mean: the sum over nodes is the mean
-    mine, new_residual = compute_payload(codec, shard, residual, decay)
-    cross = 0
-    if node.cross is None:
-        mean_shard = decode_mean(codec, mine.view(1, -1), shard.numel(), 1.0)
-    else:
-        gathered = exchange(mine, node.cross, node.cross_size)
-        mean_shard = decode_mean(codec, gathered, shard.numel(), 1.0)
-        cross = (node.cross_size - 1) * mine.numel()
+    return shard.div_(replicas)  # this node's share of the mean: the sum over nodes is the mean
+
+
+def node_mean(mean_shard: torch.Tensor, node: NodeGroups, numel: int) -> torch.Tensor:
+    """The flat mean of ``numel`` elements assembled from every rank's ``mean_shard`` (fp32, ``ceil(numel / m)``
+    elements, :func:`node_shard`'s shard index) by an all-gather inside the node: new storage.
+
+    .. warning::
+        Collective over ``node.local``: every rank of it must call this with a shard of the same size.
+    """
     mean_shard = mean_shard.contiguous()
+    full = torch.empty(mean_shard.numel() * node.local_size, dtype=torch.float32, device=mean_shard.device)
     hand_over(mean_shard, full)
     all_gather_single(full, mean_shard, node.local)
-    inner = 2 * (m - 1) * 4 * padded // m
-    return full[:numel], new_residual, mine.numel(), cross, inner
+    return full[:numel]
+
+
+def node_inner_bytes(numel: int, node: NodeGroups) -> int:
+    """Bytes one rank sends inside the node for a node-aware compressed round of ``numel`` elements: the fp32
+    reduce-scatter and all-gather of ``ceil(numel / m) * m`` elements, as ring collectives do."""
+    m = node.local_size
+    return 2 * (m - 1) * 4 * (-(-numel // m) * m) // m
+
+
+def _node_aware(
+    codec: Codec,
+    delta: torch.Tensor,
+    residual: torch.Tensor | None,
+    decay: float,
+    node: NodeGroups,
+    replicas: float,
+    segments: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor | None, int, int, int]:
+    """The node-aware exchange: full-precision sum inside the node, compressed shards across nodes; one exchange
+    per segment of ``delta`` (``segments``: its fragments' elements, in order; one segment without fragments),
+    each with its own shard of ``residual`` (the concatenation of the segments' shards, or ``None``).
+
+    Returns:
+        ``(mean, new residual of this rank's shards (concatenated), payload bytes, compressed bytes sent across
+        nodes, bytes sent inside the node)``.
+    """
+    means, residuals, mine_bytes, cross, inner = [], [], 0, 0, 0
+    offset = shard_offset = 0
+    for numel in segments:
+        if numel == 0:  # a fragment of buffers only: nothing to exchange (the same on every rank)
+            continue
+        shard = node_shard(delta[offset : offset + numel], node, replicas)
+        own = None if residual is None else residual[shard_offset : shard_offset + shard.numel()]
+        mine, new_residual = compute_payload(codec, shard, own, decay)
+        if node.cross is None:
+            mean_shard = decode_mean(codec, mine.view(1, -1), shard.numel(), 1.0)
+        else:
+            gathered = exchange(mine, node.cross, node.cross_size)
+            mean_shard = decode_mean(codec, gathered, shard.numel(), 1.0)
+            cross += (node.cross_size - 1) * mine.numel()
+        means.append(node_mean(mean_shard, node, numel))
+        residuals.append(new_residual)
+        mine_bytes += mine.numel()
+        inner += node_inner_bytes(numel, node)
+        offset, shard_offset = offset + numel, shard_offset + shard.numel()
+    mean = torch.cat(means) if means else delta.new_zeros(0)
+    new_residual = None if decay == 0 or not residuals else torch.cat(residuals)
+    return mean, new_residual, mine_bytes, cross, inner
