@@ -83,9 +83,14 @@ class DelayedRounds:
         self.mixing = config.delay_mixing or (0.0,) * n
         self.corrections = config.delay_correction or ("eager",) * n
         delayed = [i for i in range(n) if self.delays[i] > 0]
-        built = build_level_groups(config, process_group, levels=[config.levels[i] for i in delayed], fresh=True)
-        self.background: dict[int, LevelGroup] = dict(zip(delayed, built))
-        """Per delayed level, this rank's groups for the background collective (the same ranks, new groups)."""
+        # One call per level: two levels' rounds may be in flight at once (a lower one inside a higher one's
+        # window), and one of them in a thread, so no background group may serve two levels, even where their
+        # ranks are the same (build_level_groups shares a group among the levels of one call).
+        self.background: dict[int, LevelGroup] = {
+            i: build_level_groups(config, process_group, levels=[config.levels[i]], fresh=True)[0] for i in delayed
+        }
+        """Per delayed level, this rank's groups for the background collective (the same ranks, new groups, none
+        shared with another level)."""
         self.pools: dict[int, BucketPool] = {i: BucketPool() for i in delayed}
         self.in_flight: dict[int, InFlightRound] = {}
         """The round in flight per level (at most one: the delay is below the fragment spacing)."""

@@ -209,7 +209,8 @@ def build_level_groups(
         process_group: The overall group; ``None`` means the default (world) group.
         levels: The levels to build groups for (``None``: ``config.levels``).
         fresh: Create every group anew, never reusing ``process_group``: the groups of the rounds that run in the
-            background (``delay_steps``), which no other collective may share.
+            background (``delay_steps``), which no other collective may share. The levels of one call still share
+            a group where their ranks are the same: call it once per level for groups of one level each.
 
     Returns:
         One :class:`LevelGroup` per level, in the order of ``config.levels`` (or ``levels``).

@@ -246,6 +246,33 @@ def _scenarios(rank, world):
     )
 
 
+def _background_groups(rank, world):
+    """The process groups of each delayed level's background rounds: ``{2: 2, 8: world}`` (both levels of the
+    same 2 ranks when ``world`` is 2), node-aware above 2 ranks (its in-node pairs are the lower level's ranks)."""
+    from hieravg_optim import AveragingConfig, HierarchicalAverager
+
+    config = AveragingConfig.create(
+        {2: 2, 8: world}, delay_steps={2: 1, 8: 5}, ranks_per_node=2 if world > 2 else None
+    )  # fmt: skip
+    background = HierarchicalAverager(config)._delayed.background
+    groups = {}
+    for li, lg in background.items():
+        found = [lg.group] + ([lg.node.local, lg.node.cross] if lg.node is not None else [])
+        groups[li] = {id(g) for g in found if g is not None}
+    return groups
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_no_background_group_serves_two_levels(world):
+    # Two levels' rounds can be in flight at once (the lower one's inside the higher one's window), one of them
+    # in a thread (node-aware, the checked float16 wire): on a shared group their collectives could be issued in
+    # another order on each rank.
+    out = run_distributed(_background_groups, world, timeout=120)
+    for rank, groups in enumerate(out):
+        assert sorted(groups) == [0, 1] and all(groups.values()), (rank, groups)
+        assert not groups[0] & groups[1], (rank, groups)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_applied_values_follow_the_documented_formulas(world):
     out = run_distributed(_scenarios, world, timeout=240)
