@@ -24,6 +24,8 @@
 #         and the delay one below their spacing;
 #   hier_node_int8, hier_node_topk: hier_node with the cross-node level compressed, int8 or top-k of density
 #         TOPK_DENSITY (default 0.01) with int8 values (issue 25; compared with hier_node).
+#   hier_node_int8_delay: hier_node_int8 with delay_steps=DELAY_STEPS (issues 24 and 25; compared with
+#         hier_node_int8).
 # MODES (default "ddp hier") picks the runs, in that order. The issue-24 and issue-25 modes need a
 # hieravg_optim with those settings (PYTHONPATH=...); the summary prints each target's ratio, met or missed.
 # Model: a ~19M-parameter MLP on the digits data (bench/multinode_train.py). Reported: wall-clock

@@ -17,7 +17,9 @@ plain SGD, ``--steps`` steps, per-rank batch ``--batch``. Modes:
 * ``hier_node_delay_frag``: ``hier_node`` with ``fragments=--fragments`` and ``delay_steps`` one below the fragment
   spacing on the cross-node level;
 * ``hier_node_int8`` / ``hier_node_topk``: ``hier_node`` with the cross-node level compressed
-  (issue 25): ``{"type": "int8"}``, or top-k of density ``--topk-density`` with int8 values.
+  (issue 25): ``{"type": "int8"}``, or top-k of density ``--topk-density`` with int8 values;
+* ``hier_node_int8_delay``: ``hier_node_int8`` with ``delay_steps=--delay-steps`` (the compressed all-gather
+  across nodes in the background).
 
 The delay, fragment and compression modes need a ``hieravg_optim`` that has those settings;
 without them the run stops with SystemExit naming the setting, before any process group.
@@ -50,7 +52,7 @@ from _common import code_revision, on_level  # noqa: E402
 
 MODES = (
     "ddp", "hier", "hier_node", "hier_delay", "hier_frag", "hier_delay_frag", "hier_node_delay",
-    "hier_node_delay_frag", "hier_node_int8", "hier_node_topk",
+    "hier_node_delay_frag", "hier_node_int8", "hier_node_topk", "hier_node_int8_delay",
 )
 
 
@@ -67,6 +69,7 @@ def mode_settings(mode: str, args: argparse.Namespace) -> tuple[bool, dict]:
         "hier_node_delay": (True, {"delay_steps": args.delay_steps}),
         "hier_node_delay_frag": (True, {"delay_steps": fragment_delay, "fragments": args.fragments}),
         "hier_node_int8": (True, {"compress": {"type": "int8"}}),
+        "hier_node_int8_delay": (True, {"compress": {"type": "int8"}, "delay_steps": args.delay_steps}),
         "hier_node_topk": (True, {"compress": topk}),
     }[mode]
 
