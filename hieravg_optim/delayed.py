@@ -358,7 +358,8 @@ class DelayedRounds:
             CollectiveError, WireOverflowError: from :meth:`InFlightRound.wait`.
             RuntimeError: on every rank of the group, if on some rank the tensors at the apply count are not those
                 of the start (another tensor at a position, e.g. a parameter frozen while the round was in flight,
-                fewer tensors or elements), or ``error`` was given (that rank raises ``error`` itself).
+                fewer tensors or elements, a tensor reshaped), or ``error`` was given (that rank raises ``error``
+                itself).
 
         .. warning::
             Collective over the level's group (with ``agree``).
@@ -366,7 +367,9 @@ class DelayedRounds:
         begin = time.perf_counter()
         round_.wait()
         li = round_.level_index
-        problem = error or landing_error(round_.name, round_.apply_at, round_.pieces, tensors, round_.marks)
+        problem = error or landing_error(
+            round_.name, round_.apply_at, round_.pieces, tensors, round_.marks, [w.shape for w in round_.wire]
+        )
         outer = outers.by_level[li]
         if problem is None and outer is not None and outer.anchors is not None:
             try:
@@ -381,14 +384,7 @@ class DelayedRounds:
             )  # fmt: skip
         elif problem is not None:
             raise problem
-        live = [local_tensor(piece_view(tensors, p)) for p in round_.pieces]
-        for (i, _, _), t, w in zip(round_.pieces, live, round_.wire):
-            if t.shape != w.shape:
-                raise RuntimeError(
-                    f"{round_.name}: tensor {i} has shape {tuple(t.shape)} at step "
-                    f"{round_.apply_at}, but {tuple(w.shape)} when the round started: keep the averaged "
-                    "tensors fixed while a round is in flight."
-                )
+        live = [local_tensor(piece_view(tensors, p)) for p in round_.pieces]  # their shapes checked above
         result = round_.wire
         if round_.compressed is not None:
             assert outer is not None

@@ -225,12 +225,18 @@ def tensor_marks(tensors: Sequence[torch.Tensor], pieces: Sequence[Piece]) -> tu
 
 
 def landing_error(
-    name: str, count: int, pieces: Sequence[Piece], tensors: Sequence[torch.Tensor], marks: Sequence[tuple] | None
+    name: str,
+    count: int,
+    pieces: Sequence[Piece],
+    tensors: Sequence[torch.Tensor],
+    marks: Sequence[tuple] | None,
+    shapes: Sequence[torch.Size] | None = None,
 ) -> RuntimeError | None:
     """Why a round started over ``pieces`` (with :func:`tensor_marks` ``marks``; ``None``: not known, a resumed
     round) cannot be applied to ``tensors`` at ``count``, or ``None`` if it can: a position past the list, a tensor
     with fewer elements, or another tensor (storage) than at the start, e.g. a parameter frozen while the round was
-    in flight, which moves the others up the list. Local."""
+    in flight, which moves the others up the list; or, with ``shapes`` (each piece's shape at the start), a piece of
+    another shape (a tensor reshaped, the same storage). Local."""
     fix = (
         "keep the averaged tensors fixed while a round is in flight (freeze or add parameters at a count without a "
         "round in flight, e.g. after apply_rounds_in_flight), or resume from a checkpoint."
@@ -256,4 +262,11 @@ def landing_error(
                 f"elements of {n} tensors at the start (the list changed, e.g. a parameter was frozen or added). "
                 f"The round is not applied, on any rank: {fix}"
             )
+        if shapes is not None:
+            shape = local_tensor(piece_view(tensors, pieces[k])).shape
+            if shape != shapes[k]:
+                return RuntimeError(
+                    f"{name}: tensor {i} has shape {tuple(shape)} at step {count}, but {tuple(shapes[k])} when the "
+                    f"round started. The round is not applied, on any rank: {fix}"
+                )
     return None

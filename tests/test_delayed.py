@@ -392,7 +392,8 @@ def _worked_example(rank):
 def _landing_is_checked_on_every_rank(rank):
     """A round lands on the tensors it started from, else every rank raises and none applies it: a tensor list
     that changed in flight (a parameter frozen: its neighbour moves to its position, same shape), on every rank or
-    on one; a step callback failing at a count where a round is only applied."""
+    on one; a tensor reshaped in flight on one rank; a step callback failing at a count where a round is only
+    applied."""
     from hieravg_optim import AveragingConfig, HierarchicalAverager
 
     for fragments, who in ((2, (0, 1)), (1, (1,))):
@@ -405,6 +406,15 @@ def _landing_is_checked_on_every_rank(rank):
         with pytest.raises(RuntimeError, match=mine if rank in who else r"Rank 1 failed while checking the tensors .* is applied to at step 1"):
             averager.step_and_average(lambda: frozen)
         assert all(torch.equal(x, y) for x, y in zip(before, (a, b, c)))  # applied nowhere
+    # A tensor reshaped in flight on rank 1 (the same storage and elements): every rank raises, none applies it.
+    averager = HierarchicalAverager(AveragingConfig.create({4: 2}, delay_steps=1))
+    m = torch.full((2, 3), 1.0 + rank)
+    averager.step_and_average(lambda: [m])
+    reshaped = m.view(3, 2) if rank == 1 else m
+    with pytest.raises(RuntimeError, match=r"tensor 0 has shape \(3, 2\) at step 1, but \(2, 3\)" if rank == 1
+                       else r"Rank 1 failed while checking the tensors .* is applied to at step 1"):  # fmt: skip
+        averager.step_and_average(lambda: [reshaped])
+    assert torch.equal(m, torch.full((2, 3), 1.0 + rank))  # applied nowhere
     averager = HierarchicalAverager(AveragingConfig.create({4: 2}, delay_steps=1))
     averager.step_and_average(lambda: [a])
 
