@@ -9,7 +9,7 @@ Reads whatever of ``averaging.json``, ``codecs.json``, ``overhead.json``, ``conv
 ``convergence_chars_compress.json`` (the sweeps of issues 24 and 25), ``multinode.json``,
 ``multinode_delay.json``, ``multinode_compress.json`` and the quiet-machine reruns ``multinode_quiet.json``,
 ``multinode_delay_tau15.json``, ``multinode_delay_node.json``, ``multinode_delay_b64.json`` and
-``multinode_delay_b64_repeat.json`` exists; it measures nothing itself: the
+``multinode_delay_b64_repeat.json``, ``multinode_node_int8_delay.json`` exists; it measures nothing itself: the
 targets' ratios are computed here from the recorded runs, met or missed. ``docs/performance.md`` includes the ``--docs`` files (``--8<--``
 snippets), so rerun it after a benchmark rewrites its results.
 """
@@ -28,7 +28,8 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 DOCS_SNIPPETS = os.path.join(ROOT, "docs", "snippets")
 DOCS_IMAGES = os.path.join(ROOT, "docs", "img")
 PLOTS = ("convergence.png", "convergence_chars.png", "convergence_chars_long.png", "convergence_chars_delay.png",
-         "convergence_chars_compress.png", "convergence_chars_ef.png")
+         "convergence_chars_compress.png", "convergence_chars_ef.png", "convergence_chars_long_delay.png",
+         "convergence_chars_long_topk.png")
 """Plots under ``bench/results/`` that the performance page shows, copied by ``--docs``."""
 
 
@@ -386,11 +387,13 @@ SECTIONS: tuple[tuple[str, Callable[[dict], str]], ...] = (
     ("averaging", averaging), ("codecs", codecs), ("overhead", overhead), ("convergence", convergence),
     ("convergence_chars", convergence_chars), ("convergence_chars_long", convergence_chars),
     ("convergence_chars_delay", convergence_sweep), ("convergence_chars_compress", convergence_sweep),
-    ("convergence_chars_ef", convergence_sweep),
+    ("convergence_chars_ef", convergence_sweep), ("convergence_chars_long_delay", convergence_sweep),
+    ("convergence_chars_long_topk", convergence_sweep), ("convergence_chars_delay_seed1", convergence_sweep),
+    ("convergence_chars_delay_seed2", convergence_sweep),
     ("multinode", multinode), ("multinode_delay", multinode_modes), ("multinode_compress", multinode_modes),
     ("multinode_quiet", multinode_modes), ("multinode_delay_tau15", multinode_modes),
     ("multinode_delay_node", multinode_modes), ("multinode_delay_b64", multinode_modes),
-    ("multinode_delay_b64_repeat", multinode_modes),
+    ("multinode_delay_b64_repeat", multinode_modes), ("multinode_node_int8_delay", multinode_modes),
 )
 
 
